@@ -1,0 +1,130 @@
+// Package bus holds what crosses between kpipe's stages: the service and endpoint
+// model that watch produces, the snapshot coalesce hands to render, the plan render
+// hands to commit, commit's result, and the channel primitives that carry them.
+// Every value here is immutable once sent.
+package bus
+
+import (
+	"fmt"
+	"net/netip"
+)
+
+// Protocol is a Service port protocol as the API spells it.
+type Protocol string
+
+const (
+	TCP  Protocol = "TCP"
+	UDP  Protocol = "UDP"
+	SCTP Protocol = "SCTP"
+)
+
+// Family is an IP family. Each family has its own render → commit → conntrack chain.
+type Family int
+
+const (
+	IPv4 Family = 4
+	IPv6 Family = 6
+)
+
+func (f Family) String() string {
+	if f == IPv6 {
+		return "IPv6"
+	}
+	return "IPv4"
+}
+
+// FamilyOf says which family an address belongs to.
+func FamilyOf(a netip.Addr) Family {
+	if a.Is4() || a.Is4In6() {
+		return IPv4
+	}
+	return IPv6
+}
+
+// ServiceKey names a Service.
+type ServiceKey struct{ Namespace, Name string }
+
+func (k ServiceKey) String() string { return k.Namespace + "/" + k.Name }
+
+// ServicePortName names one port of a Service, as kube-proxy's ServicePortName does.
+type ServicePortName struct {
+	ServiceKey
+	Port     string // the port's name, "" for an unnamed single port
+	Protocol Protocol
+}
+
+func (p ServicePortName) String() string {
+	return fmt.Sprintf("%s/%s:%s", p.Namespace, p.Name, p.Port)
+}
+
+// Service is the part of a v1.Service that a node proxy acts on, already validated:
+// every address parses and every port is in range.
+type Service struct {
+	ServiceKey
+	ClusterIPs               []netip.Addr
+	ExternalIPs              []netip.Addr
+	LoadBalancerIPs          []netip.Addr // status.loadBalancer.ingress[].ip, except ipMode: Proxy
+	LoadBalancerSourceRanges []netip.Prefix
+	ExternalPolicyLocal      bool  // externalTrafficPolicy: Local (only for NodePort/LoadBalancer)
+	InternalPolicyLocal      bool  // internalTrafficPolicy: Local
+	HealthCheckNodePort      int32 // 0: none
+	AffinitySeconds          int32 // sessionAffinity: ClientIP timeout; 0: no affinity
+	Ports                    []Port
+}
+
+// Port is one port of a Service.
+type Port struct {
+	Name     string
+	Protocol Protocol
+	Port     int32
+	NodePort int32 // 0: none
+}
+
+// PortName is the ServicePortName of one of this Service's ports.
+func (s *Service) PortName(p Port) ServicePortName {
+	return ServicePortName{ServiceKey: s.ServiceKey, Port: p.Name, Protocol: p.Protocol}
+}
+
+// ExternallyReachable says whether traffic from outside the cluster can reach the
+// Service on this node (the cases externalTrafficPolicy applies to).
+func (s *Service) ExternallyReachable(p Port) bool {
+	return p.NodePort != 0 || len(s.ExternalIPs) > 0 || len(s.LoadBalancerIPs) > 0
+}
+
+// EndpointSlice is a validated discovery/v1 EndpointSlice: addresses of the wrong
+// type or that do not parse were dropped (and counted) by watch.
+type EndpointSlice struct {
+	Service ServiceKey
+	Name    string
+	Family  Family
+	Ports   []EndpointPort
+	Items   []Endpoint
+}
+
+// EndpointPort is one port of an EndpointSlice.
+type EndpointPort struct {
+	Name     string
+	Protocol Protocol
+	Port     int32
+}
+
+// Endpoint is one endpoint address with its conditions.
+type Endpoint struct {
+	Addr        netip.Addr
+	Ready       bool
+	Serving     bool
+	Terminating bool
+	NodeName    string
+	Zone        string
+	HintZones   []string // hints.forZones; nil when the endpoint has no zone hints
+	HintNodes   []string // hints.forNodes; nil when the endpoint has no node hints
+}
+
+// Node is the part of this node's Node object that kpipe uses.
+type Node struct {
+	Name     string
+	Addrs    []netip.Addr   // InternalIP first, then ExternalIP
+	PodCIDRs []netip.Prefix // spec.podCIDRs
+	Zone     string         // topology.kubernetes.io/zone
+	Deleting bool           // deletionTimestamp set: /healthz answers 503
+}

@@ -1,0 +1,76 @@
+package bus
+
+import (
+	"net/netip"
+	"time"
+)
+
+// Snapshot is coalesce's hand-off to render: the whole desired state plus what
+// changed since the last successful commit. It is never modified after it is sent.
+type Snapshot struct {
+	Generation uint64
+	State      State
+	// Changed lists the services whose desired rules may differ from the last
+	// successful commit. Full means every service must be rewritten (start-up, a
+	// failed commit, a canary that disappeared).
+	Changed map[ServiceKey]bool
+	Full    bool
+	// QueuedAt is when the oldest change this snapshot carries was queued.
+	QueuedAt time.Time
+	// Committed is what the last successful commit of this family left in the
+	// kernel (nil before the first), so render can write only what differs.
+	Committed *Programmed
+}
+
+// Plan is render's hand-off to commit: iptables-restore payloads and what the
+// kernel will hold once they are applied.
+type Plan struct {
+	Family     Family
+	Generation uint64
+	QueuedAt   time.Time
+	Full       bool
+	Started    time.Time // when render began, for the sync duration metrics
+	Tables     []TablePayload
+	Programmed *Programmed
+	Skipped    int // service ports render could not program (logged by render)
+	// HealthChecks are the healthCheckNodePort answers this plan implies.
+	HealthChecks HealthChecks
+	// NoLocalEndpoints counts services with a Local policy and no local endpoints,
+	// by "internal" / "external" (kubeproxy_sync_proxy_rules_no_local_endpoints_total).
+	NoLocalEndpoints map[string]int
+}
+
+// TablePayload is what render wants written to one table: the chains to (re)declare,
+// which iptables-restore --noflush empties before the rules refill them, the rules,
+// and the chains to delete. Commit assembles it into iptables-restore input.
+type TablePayload struct {
+	Table   string   // "nat", "filter"
+	Declare []string // chains whose rules are replaced (and created if missing)
+	Rules   []byte   // "-A CHAIN ..." lines, and nothing else
+	Delete  []string // kpipe chains that are no longer used
+	// RuleCount is the number of rules the table holds once applied (not only the
+	// rewritten ones), for kubeproxy_sync_proxy_rules_iptables_total.
+	RuleCount int
+}
+
+// Programmed describes what a committed plan left in the kernel.
+type Programmed struct {
+	// Chains maps each kpipe-owned chain, as "table/chain", to a hash of its rules.
+	Chains map[string]uint64
+	// UDP maps each UDP front-end (service IP:port; NodePorts as the unspecified
+	// address with the node port) to the endpoints it load-balances to, so the
+	// conntrack stage can clear flows that point anywhere else.
+	UDP map[netip.AddrPort][]netip.AddrPort
+}
+
+// Result is commit's answer for one plan.
+type Result struct {
+	Family     Family
+	Generation uint64
+	OK         bool
+	Err        error
+	Full       bool
+	At         time.Time
+	Duration   time.Duration
+	Programmed *Programmed // set when OK
+}

@@ -1,0 +1,52 @@
+// Command kpipe is a Kubernetes node service proxy: a drop-in replacement for
+// kube-proxy's iptables mode, built as a supervised pipeline of stages.
+//
+//	watch ─► coalesce ─► render ─► commit ─► conntrack     (one render→commit→conntrack per IP family)
+//	canary (flushed tables → full resync)    health (/healthz, /metrics, healthCheckNodePorts, /debug)
+package main
+
+import (
+	"context"
+	"fmt"
+	"os"
+	"os/signal"
+	"syscall"
+
+	"github.com/spf13/cobra"
+)
+
+func main() {
+	os.Exit(run(os.Args[1:]))
+}
+
+// run executes the command line and returns the exit code: 2 for bad flags, 1 when
+// the proxy stops on an error it could not recover from.
+func run(args []string) int {
+	opts := defaultOptions()
+	cmd := &cobra.Command{
+		Use:           "kpipe",
+		Short:         "Kubernetes node service proxy (kube-proxy iptables mode, as a supervised pipeline)",
+		SilenceUsage:  true,
+		SilenceErrors: true,
+		Args:          cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			if err := opts.complete(); err != nil {
+				return err
+			}
+			ctx, stop := signal.NotifyContext(cmd.Context(), syscall.SIGTERM, syscall.SIGINT)
+			defer stop()
+			return serve(ctx, opts)
+		},
+	}
+	cmd.SetFlagErrorFunc(func(_ *cobra.Command, err error) error { return usageError{err} })
+	opts.addFlags(cmd.Flags())
+	cmd.SetArgs(args)
+	if err := cmd.ExecuteContext(context.Background()); err != nil {
+		fmt.Fprintln(os.Stderr, "kpipe:", err)
+		if isUsage(err) {
+			return 2
+		}
+		return 1
+	}
+	return 0
+}

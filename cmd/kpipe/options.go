@@ -1,0 +1,187 @@
+package main
+
+import (
+	"errors"
+	"fmt"
+	"net/netip"
+	"os"
+	"strings"
+	"time"
+
+	"github.com/spf13/pflag"
+
+	"github.com/kpipe/kpipe/bus"
+	"github.com/kpipe/kpipe/stages/render"
+)
+
+// Options are kpipe's settings, named as kube-proxy names its flags.
+type Options struct {
+	Kubeconfig            string        `json:"kubeconfig"`
+	HostnameOverride      string        `json:"hostnameOverride"`
+	ClusterCIDR           string        `json:"clusterCIDR"`
+	ProxyMode             string        `json:"mode"`
+	HealthzBindAddress    string        `json:"healthzBindAddress"`
+	MetricsBindAddress    string        `json:"metricsBindAddress"`
+	EnableDebugHandlers   bool          `json:"enableProfiling"`
+	SyncPeriod            time.Duration `json:"syncPeriod"`
+	MinSyncPeriod         time.Duration `json:"minSyncPeriod"`
+	CanaryInterval        time.Duration `json:"canaryInterval"`
+	MasqueradeAll         bool          `json:"masqueradeAll"`
+	MasqueradeBit         int           `json:"masqueradeBit"`
+	DetectLocalMode       string        `json:"detectLocalMode"`
+	PodBridgeInterface    string        `json:"bridgeInterface"`
+	PodInterfaceprefix    string        `json:"interfaceNamePrefix"`
+	NodePortAddresses     []string      `json:"nodePortAddresses"`
+	LocalhostNodePorts    bool          `json:"localhostNodePorts"`
+	LogFormat             string        `json:"logFormat"`
+	LogLevel              string        `json:"logLevel"`
+	clusterCIDRs          []netip.Prefix
+	nodePortCIDRs         []netip.Prefix
+	nodePortPrimary       bool
+}
+
+func defaultOptions() *Options {
+	return &Options{
+		ProxyMode:          "iptables",
+		HealthzBindAddress: "0.0.0.0:10256",
+		MetricsBindAddress: "127.0.0.1:10249",
+		SyncPeriod:         30 * time.Second,
+		MinSyncPeriod:      time.Second,
+		MasqueradeBit:      14,
+		DetectLocalMode:    render.DetectClusterCIDR,
+		LocalhostNodePorts: true,
+		LogFormat:          "text",
+		LogLevel:           "info",
+	}
+}
+
+func (o *Options) addFlags(fs *pflag.FlagSet) {
+	fs.StringVar(&o.Kubeconfig, "kubeconfig", o.Kubeconfig, "Path to a kubeconfig file; empty means in-cluster configuration.")
+	fs.StringVar(&o.HostnameOverride, "hostname-override", o.HostnameOverride, "The name of this node, instead of the hostname.")
+	fs.StringVar(&o.ClusterCIDR, "cluster-cidr", o.ClusterCIDR, "The CIDR range of pods in the cluster (comma-separated, one per family); traffic from outside it to a ClusterIP is masqueraded.")
+	fs.StringVar(&o.ProxyMode, "proxy-mode", o.ProxyMode, "Which proxy mode to use; kpipe implements 'iptables'.")
+	fs.StringVar(&o.HealthzBindAddress, "healthz-bind-address", o.HealthzBindAddress, "The IP:port for the health check server; empty disables it.")
+	fs.StringVar(&o.MetricsBindAddress, "metrics-bind-address", o.MetricsBindAddress, "The IP:port for the metrics server; empty disables it.")
+	fs.BoolVar(&o.EnableDebugHandlers, "enable-debug-handlers", o.EnableDebugHandlers, "Serve pprof and /debug/stages on the metrics address.")
+	fs.DurationVar(&o.SyncPeriod, "iptables-sync-period", o.SyncPeriod, "The longest time between syncs of the rules (e.g. '5s', '1m').")
+	fs.DurationVar(&o.MinSyncPeriod, "iptables-min-sync-period", o.MinSyncPeriod, "The shortest time between syncs of the rules after the first two in a burst.")
+	fs.DurationVar(&o.CanaryInterval, "canary-interval", o.CanaryInterval, "How often to check the canary chains (default: the sync period).")
+	fs.BoolVar(&o.MasqueradeAll, "masquerade-all", o.MasqueradeAll, "SNAT all traffic sent through service IPs.")
+	fs.IntVar(&o.MasqueradeBit, "iptables-masquerade-bit", o.MasqueradeBit, "The bit of the fwmark space that marks packets for SNAT, 0 to 31.")
+	fs.StringVar(&o.DetectLocalMode, "detect-local-mode", o.DetectLocalMode, "How to tell pod traffic: ClusterCIDR, NodeCIDR, BridgeInterface or InterfaceNamePrefix.")
+	fs.StringVar(&o.PodBridgeInterface, "pod-bridge-interface", o.PodBridgeInterface, "The bridge pods are attached to (with --detect-local-mode=BridgeInterface).")
+	fs.StringVar(&o.PodInterfaceprefix, "pod-interface-name-prefix", o.PodInterfaceprefix, "The prefix of pod interfaces (with --detect-local-mode=InterfaceNamePrefix).")
+	fs.StringSliceVar(&o.NodePortAddresses, "nodeport-addresses", o.NodePortAddresses, "CIDRs of the local addresses NodePorts answer on, or 'primary'; empty means all.")
+	fs.BoolVar(&o.LocalhostNodePorts, "iptables-localhost-nodeports", o.LocalhostNodePorts, "Let NodePorts answer on 127.0.0.1 (sets route_localnet).")
+	fs.StringVar(&o.LogFormat, "log-format", o.LogFormat, "Log format: text or json.")
+	fs.StringVar(&o.LogLevel, "log-level", o.LogLevel, "Log level: debug, info, warn or error.")
+}
+
+// usageError is a bad flag value: kpipe exits 2 for it.
+type usageError struct{ error }
+
+func usagef(format string, args ...any) error { return usageError{fmt.Errorf(format, args...)} }
+
+func isUsage(err error) bool {
+	var u usageError
+	return errors.As(err, &u)
+}
+
+// complete checks the options and derives the parsed forms.
+func (o *Options) complete() error {
+	if o.ProxyMode != "iptables" && o.ProxyMode != "" {
+		return usagef("--proxy-mode %q is not supported: kpipe implements only the 'iptables' mode", o.ProxyMode)
+	}
+	if o.SyncPeriod <= 0 {
+		return usagef("--iptables-sync-period must be positive, got %v", o.SyncPeriod)
+	}
+	if o.MinSyncPeriod < 0 || o.MinSyncPeriod > o.SyncPeriod {
+		return usagef("--iptables-min-sync-period must be between 0 and --iptables-sync-period, got %v", o.MinSyncPeriod)
+	}
+	if o.CanaryInterval == 0 {
+		o.CanaryInterval = o.SyncPeriod
+	}
+	if o.CanaryInterval < 0 {
+		return usagef("--canary-interval must be positive, got %v", o.CanaryInterval)
+	}
+	if o.MasqueradeBit < 0 || o.MasqueradeBit > 31 {
+		return usagef("--iptables-masquerade-bit must be 0 to 31, got %d", o.MasqueradeBit)
+	}
+	o.clusterCIDRs = nil
+	for _, c := range strings.Split(o.ClusterCIDR, ",") {
+		if c = strings.TrimSpace(c); c == "" {
+			continue
+		}
+		p, err := netip.ParsePrefix(c)
+		if err != nil {
+			return usagef("--cluster-cidr %q: %v", c, err)
+		}
+		o.clusterCIDRs = append(o.clusterCIDRs, p.Masked())
+	}
+	switch o.DetectLocalMode {
+	case render.DetectClusterCIDR, render.DetectNodeCIDR:
+	case render.DetectBridgeInterface:
+		if o.PodBridgeInterface == "" {
+			return usagef("--detect-local-mode=BridgeInterface needs --pod-bridge-interface")
+		}
+	case render.DetectInterfacePrefix:
+		if o.PodInterfaceprefix == "" {
+			return usagef("--detect-local-mode=InterfaceNamePrefix needs --pod-interface-name-prefix")
+		}
+	default:
+		return usagef("--detect-local-mode %q: must be ClusterCIDR, NodeCIDR, BridgeInterface or InterfaceNamePrefix", o.DetectLocalMode)
+	}
+	o.nodePortCIDRs, o.nodePortPrimary = nil, false
+	for _, a := range o.NodePortAddresses {
+		if a == "primary" {
+			o.nodePortPrimary = true
+			continue
+		}
+		p, err := netip.ParsePrefix(a)
+		if err != nil {
+			return usagef("--nodeport-addresses %q: must be CIDRs or 'primary': %v", a, err)
+		}
+		o.nodePortCIDRs = append(o.nodePortCIDRs, p.Masked())
+	}
+	if o.nodePortPrimary && len(o.nodePortCIDRs) > 0 {
+		return usagef("--nodeport-addresses: 'primary' cannot be combined with CIDRs")
+	}
+	switch o.LogFormat {
+	case "text", "json":
+	default:
+		return usagef("--log-format %q: must be text or json", o.LogFormat)
+	}
+	if _, err := parseLevel(o.LogLevel); err != nil {
+		return usageError{err}
+	}
+	if o.HostnameOverride == "" {
+		h, err := os.Hostname()
+		if err != nil {
+			return fmt.Errorf("find the node name: %w", err)
+		}
+		o.HostnameOverride = h
+	}
+	o.HostnameOverride = strings.ToLower(strings.TrimSpace(o.HostnameOverride))
+	return nil
+}
+
+// renderConfig is render's configuration for one family.
+func (o *Options) renderConfig(f bus.Family, conntrackLiberal bool) render.Config {
+	return render.Config{
+		Family: f, NodeName: o.HostnameOverride, MasqueradeAll: o.MasqueradeAll, MasqueradeBit: o.MasqueradeBit,
+		DetectLocal: o.DetectLocalMode, ClusterCIDRs: ofFamily(o.clusterCIDRs, f),
+		BridgeInterface: o.PodBridgeInterface, InterfacePrefix: o.PodInterfaceprefix,
+		NodePortAddresses: ofFamily(o.nodePortCIDRs, f), NodePortPrimary: o.nodePortPrimary,
+		LocalhostNodePorts: o.LocalhostNodePorts && f == bus.IPv4, ConntrackLiberal: conntrackLiberal,
+	}
+}
+
+func ofFamily(ps []netip.Prefix, f bus.Family) []netip.Prefix {
+	var out []netip.Prefix
+	for _, p := range ps {
+		if bus.FamilyOf(p.Addr()) == f {
+			out = append(out, p)
+		}
+	}
+	return out
+}

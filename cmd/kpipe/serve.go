@@ -1,0 +1,150 @@
+package main
+
+import (
+	"context"
+	"fmt"
+	"log/slog"
+	"net/http"
+	"os"
+	"os/exec"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/collectors"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/rest"
+	"k8s.io/client-go/tools/clientcmd"
+
+	"github.com/kpipe/kpipe/bus"
+	nf "github.com/kpipe/kpipe/netfilter"
+	"github.com/kpipe/kpipe/stages/canary"
+	"github.com/kpipe/kpipe/stages/coalesce"
+	"github.com/kpipe/kpipe/stages/commit"
+	"github.com/kpipe/kpipe/stages/conntrack"
+	"github.com/kpipe/kpipe/stages/health"
+	"github.com/kpipe/kpipe/stages/render"
+	"github.com/kpipe/kpipe/stages/watch"
+	"github.com/kpipe/kpipe/supervise"
+)
+
+// serve builds the supervisor tree and runs it until ctx ends. Stopping leaves
+// every rule in place: a restarted kpipe takes them over.
+//
+//	kpipe (one_for_one)
+//	├── pipeline (rest_for_one): watch, coalesce, families (one_for_one)
+//	│                                              └── ipv4, ipv6 (rest_for_one): render, commit, conntrack
+//	├── canary
+//	└── health
+func serve(ctx context.Context, o *Options) error {
+	log := newLogger(os.Stderr, o.LogFormat, o.LogLevel)
+	client, err := newClient(o.Kubeconfig)
+	if err != nil {
+		return err
+	}
+	families := hostFamilies(log)
+	liberal := prepareHost(o, log)
+
+	reg := prometheus.NewRegistry()
+	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+	metrics := bus.NewMetrics(reg)
+	board := bus.NewBoard()
+	changes := make(chan bus.Change, 1024)
+	replay := bus.NewFlag()
+	checks := bus.NewMergingMailbox(bus.MergeHealthCheckUpdates)
+
+	onRestart := func(stage string, err error) { metrics.StageRestarts.WithLabelValues(stage).Inc() }
+	opts := func(s supervise.Strategy) supervise.Options {
+		return supervise.Options{Strategy: s, Logger: log, OnRestart: onRestart}
+	}
+	var familyTrees []supervise.Child
+	var coalesceIO []coalesce.Family
+	resync := map[bus.Family]*bus.Flag{}
+	for _, f := range families {
+		name := lower(f)
+		snapshots, plans := bus.NewMailbox[*bus.Snapshot](), bus.NewMailbox[*bus.Plan]()
+		results, flows := bus.NewMailbox[bus.Result](), bus.NewMergingMailbox(bus.MergeStaleFlows)
+		resync[f] = bus.NewFlag()
+		coalesceIO = append(coalesceIO, coalesce.Family{Family: f, Out: snapshots, Results: results, Resync: resync[f]})
+		rs := render.NewStage(o.renderConfig(f, liberal), snapshots, plans, resync[f], log.With("stage", "render-"+name))
+		cs := commit.NewStage(f, o.LocalhostNodePorts, plans, commit.Outputs{Results: results, Resync: resync[f], Flows: flows, HealthChecks: checks},
+			board, metrics, log.With("stage", "commit-"+name))
+		ct := conntrack.NewStage(f, flows, metrics, log.With("stage", "conntrack-"+name))
+		familyTrees = append(familyTrees, supervise.Tree(name, opts(supervise.RestForOne),
+			supervise.Leaf("render-"+name, rs.Run), supervise.Leaf("commit-"+name, cs.Run), supervise.Leaf("conntrack-"+name, ct.Run)))
+	}
+	ws := watch.NewStage(client, o.HostnameOverride, changes, replay, board, metrics, log.With("stage", "watch"), len(o.nodePortCIDRs) > 0)
+	co := coalesce.NewStage(coalesce.Config{MinSyncPeriod: o.MinSyncPeriod, SyncPeriod: o.SyncPeriod, Burst: 2},
+		changes, replay, coalesceIO, board, metrics, log.With("stage", "coalesce"))
+	ca := canary.NewStage(o.CanaryInterval, resync, log.With("stage", "canary"))
+
+	var root *supervise.Supervisor
+	var stagesHandler http.Handler
+	if o.EnableDebugHandlers {
+		stagesHandler = http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) { supervise.Handler(root).ServeHTTP(w, r) })
+	}
+	he := health.New(health.Config{
+		HealthzAddr: o.HealthzBindAddress, MetricsAddr: o.MetricsBindAddress, EnableDebug: o.EnableDebugHandlers,
+		SyncPeriod: o.SyncPeriod, NodeName: o.HostnameOverride, Families: families, Configz: o,
+	}, board, reg, metrics, checks, stagesHandler, log.With("stage", "health"))
+
+	root = supervise.Tree("kpipe", opts(supervise.OneForOne),
+		supervise.Tree("pipeline", opts(supervise.RestForOne),
+			supervise.Leaf("watch", ws.Run), supervise.Leaf("coalesce", co.Run),
+			supervise.Tree("families", opts(supervise.OneForOne), familyTrees...)),
+		supervise.Leaf("canary", ca.Run),
+		supervise.Leaf("health", he.Run))
+	log.Info("kpipe starting", "node", o.HostnameOverride, "families", fmt.Sprint(families), "mode", "iptables")
+	if err := root.Run(ctx); err != nil {
+		log.Error("kpipe stopping: a stage kept failing", "err", err)
+		return err
+	}
+	log.Info("kpipe stopped; rules left in place")
+	return nil
+}
+
+func lower(f bus.Family) string {
+	if f == bus.IPv6 {
+		return "ipv6"
+	}
+	return "ipv4"
+}
+
+func newClient(kubeconfig string) (kubernetes.Interface, error) {
+	var cfg *rest.Config
+	var err error
+	if kubeconfig == "" {
+		cfg, err = rest.InClusterConfig()
+	} else {
+		cfg, err = clientcmd.BuildConfigFromFlags("", kubeconfig)
+	}
+	if err != nil {
+		return nil, fmt.Errorf("load kubeconfig %q: %w", kubeconfig, err)
+	}
+	cfg.ContentType = "application/vnd.kubernetes.protobuf"
+	cfg.AcceptContentTypes = "application/vnd.kubernetes.protobuf,application/json"
+	cfg.UserAgent = "kpipe"
+	return kubernetes.NewForConfig(cfg)
+}
+
+// hostFamilies lists the IP families this host can program: IPv4, and IPv6 when
+// ip6tables works.
+func hostFamilies(log *slog.Logger) []bus.Family {
+	fams := []bus.Family{bus.IPv4}
+	if err := exec.Command("ip6tables", "-w", "5", "-t", "nat", "-L", "-n").Run(); err == nil {
+		fams = append(fams, bus.IPv6)
+	} else {
+		log.Info("IPv6 disabled: ip6tables does not work here", "err", err)
+	}
+	return fams
+}
+
+// prepareHost sets the sysctls kube-proxy sets and says whether conntrack is
+// TCP-liberal (then INVALID packets are not dropped).
+func prepareHost(o *Options, log *slog.Logger) bool {
+	if o.LocalhostNodePorts {
+		if err := nf.WriteSysctl("net/ipv4/conf/all/route_localnet", "1"); err != nil {
+			log.Error("NodePorts on 127.0.0.1 will not work", "err", err)
+		}
+	}
+	v, err := nf.ReadSysctl("net/netfilter/nf_conntrack_tcp_be_liberal")
+	return err == nil && v != "0"
+}

@@ -1,0 +1,289 @@
+package e2e
+
+import (
+	"errors"
+	"fmt"
+	"math/rand/v2"
+	"strings"
+	"testing"
+	"time"
+
+	corev1 "k8s.io/api/core/v1"
+
+	"github.com/kpipe/kpipe/e2e/testbed"
+)
+
+// reachFromPodAndNode checks that a ClusterIP with endpoints on pods 1-3 is
+// answered from a pod and from the node, and that over 50 requests each
+// endpoint answers at least once.
+func reachFromPodAndNode(t *testing.T, proto corev1.Protocol, d dialer) {
+	e := setup(t)
+	svc := e.service("echo", testbed.Port("echo", proto, 80, testbed.EchoPort))
+	e.endpoints(svc, 1, 2, 3)
+	addr := testbed.ClusterAddr(svc, 80)
+	want := podIPs(1, 2, 3)
+	client := tb.Pod(clientPod)
+
+	start := time.Now()
+	a := waitAnswer(t, d, client.NS, addr, 20*time.Second)
+	t.Logf("first answer through %s %s after %v: %+v", proto, addr, since(start), a)
+
+	seen := spread(t, d, client.NS, addr, 50)
+	t.Logf("from pod %d: answers by endpoint %v", clientPod, seen)
+	requireExactly(t, seen, want)
+	// Pod-to-service traffic stays inside the cluster CIDR: not masqueraded.
+	a, err := d(client.NS, addr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if a.SourceIP() != client.IPv4 {
+		t.Errorf("endpoint saw source %s for a request from pod %s; want the pod's own address", a.SeenSource, client.IPv4)
+	}
+
+	a = waitAnswer(t, d, tb.NodeNS, addr, 10*time.Second)
+	seen = spread(t, d, tb.NodeNS, addr, 50)
+	t.Logf("from the node: answers by endpoint %v (source seen: %s)", seen, a.SeenSource)
+	requireExactly(t, seen, want)
+}
+
+func TestClusterIPTCPFromPodAndNode(t *testing.T) {
+	reachFromPodAndNode(t, corev1.ProtocolTCP, tcp(2*time.Second))
+}
+
+func TestClusterIPUDPFromPodAndNode(t *testing.T) {
+	reachFromPodAndNode(t, corev1.ProtocolUDP, udp(2*time.Second))
+}
+
+func TestEndpointRemovedAndAdded(t *testing.T) {
+	e := setup(t)
+	svc := e.service("echo", testbed.Port("http", corev1.ProtocolTCP, 80, testbed.EchoPort))
+	e.endpoints(svc, 1, 2, 3)
+	addr := testbed.ClusterAddr(svc, 80)
+	from := tb.Pod(clientPod).NS
+	d := tcp(2 * time.Second)
+	waitAnswer(t, d, from, addr, 20*time.Second)
+	requireExactly(t, spread(t, d, from, addr, 50), podIPs(1, 2, 3))
+
+	// Remove pod 3: within a few seconds it stops getting traffic.
+	removed := podIP(3)
+	e.endpoints(svc, 1, 2)
+	start := time.Now()
+	testbed.Eventually(t, 10*time.Second, func() error {
+		for i := 0; i < 10; i++ {
+			a, err := d(from, addr)
+			if err != nil {
+				return err
+			}
+			if a.Endpoint == removed {
+				return fmt.Errorf("removed endpoint %s still answers", removed)
+			}
+		}
+		return nil
+	})
+	t.Logf("removed endpoint stopped answering within %v", since(start))
+	seen := spread(t, d, from, addr, 30)
+	if seen[removed] > 0 {
+		t.Fatalf("removed endpoint %s answered %d of 30 requests: %v", removed, seen[removed], seen)
+	}
+	requireExactly(t, seen, podIPs(1, 2))
+
+	// Add pod 4: it starts getting traffic.
+	added := podIP(4)
+	e.endpoints(svc, 1, 2, 4)
+	start = time.Now()
+	testbed.Eventually(t, 10*time.Second, func() error {
+		a, err := d(from, addr)
+		if err != nil {
+			return err
+		}
+		if a.Endpoint != added {
+			return fmt.Errorf("new endpoint %s has not answered yet (last answer from %s)", added, a.Endpoint)
+		}
+		return nil
+	})
+	t.Logf("added endpoint answered within %v", since(start))
+	requireExactly(t, spread(t, d, from, addr, 50), podIPs(1, 2, 4))
+}
+
+func TestServiceDeletedRemovesChains(t *testing.T) {
+	e := setup(t)
+	svc := e.service("doomed",
+		testbed.Port("http", corev1.ProtocolTCP, 80, testbed.EchoPort),
+		testbed.Port("dns", corev1.ProtocolUDP, 53, testbed.EchoPort),
+	)
+	e.endpoints(svc, 1, 2)
+	from := tb.Pod(clientPod).NS
+	waitAnswer(t, tcp(2*time.Second), from, testbed.ClusterAddr(svc, 80), 20*time.Second)
+	waitAnswer(t, udp(2*time.Second), from, testbed.ClusterAddr(svc, 53), 10*time.Second)
+
+	mention := e.ns + "/" + svc.Name + ":"
+	nat := e.iptablesSave("nat")
+	for _, port := range []string{"http", "dns"} {
+		if c := testbed.ServiceComment(e.ns, svc.Name, port); !strings.Contains(nat, c) {
+			t.Fatalf("iptables-save -t nat does not mention %q while the service works:\n%s", c, filterRules(nat, e.ns+"/"))
+		}
+	}
+
+	// Delete the Service only: its EndpointSlice lingers, as it does until the
+	// garbage collector gets to it in a real cluster.
+	if err := tb.DeleteService(e.ctx, e.ns, svc.Name); err != nil {
+		t.Fatal(err)
+	}
+	start := time.Now()
+	testbed.Eventually(t, 10*time.Second, func() error {
+		for _, table := range []string{"nat", "filter"} {
+			out := e.iptablesSave(table)
+			var lines []string
+			for _, l := range strings.Split(out, "\n") {
+				if strings.Contains(l, mention) || strings.Contains(l, svc.Spec.ClusterIP) {
+					lines = append(lines, l)
+				}
+			}
+			if len(lines) > 0 {
+				return fmt.Errorf("iptables-save -t %s still mentions the deleted service:\n%s", table, strings.Join(lines, "\n"))
+			}
+		}
+		return nil
+	})
+	t.Logf("rules gone %v after the delete", since(start))
+	if a, err := tb.DialTCP(from, testbed.ClusterAddr(svc, 80), time.Second); err == nil {
+		t.Fatalf("deleted service's ClusterIP still answered: %+v", a)
+	}
+}
+
+func TestNoEndpointsRefused(t *testing.T) {
+	e := setup(t)
+	svc := e.service("empty", testbed.Port("http", corev1.ProtocolTCP, 80, testbed.EchoPort))
+	addr := testbed.ClusterAddr(svc, 80)
+	client := tb.Pod(clientPod).NS
+
+	check := func(what string) {
+		t.Helper()
+		// Wait until kpipe has programmed the service (refusals start) ...
+		testbed.Eventually(t, 20*time.Second, func() error {
+			_, err := tb.DialTCP(client, addr, time.Second)
+			if !errors.Is(err, testbed.ErrRefused) {
+				return fmt.Errorf("%s: want connection refused, got %v", what, err)
+			}
+			return nil
+		})
+		// ... then every attempt, from a pod and from the node, is refused at once.
+		for _, ns := range []string{client, tb.NodeNS} {
+			for i := 0; i < 5; i++ {
+				start := time.Now()
+				_, err := tb.DialTCP(ns, addr, 3*time.Second)
+				took := time.Since(start)
+				if !errors.Is(err, testbed.ErrRefused) {
+					t.Fatalf("%s: connect from %s: want refused, got %v (after %v)", what, ns, err, took)
+				}
+				if took >= time.Second {
+					t.Fatalf("%s: connect from %s refused only after %v", what, ns, took)
+				}
+				if i == 0 {
+					t.Logf("%s: from %s refused in %v: %v", what, ns, took, err)
+				}
+			}
+		}
+	}
+	check("no EndpointSlice")
+
+	if _, err := tb.SetEndpoints(e.ctx, svc, nil); err != nil {
+		t.Fatal(err)
+	}
+	check("empty EndpointSlice")
+
+	if _, err := tb.SetEndpoints(e.ctx, svc, []testbed.Endpoint{{IP: podIP(1), Ready: false, Serving: false}}); err != nil {
+		t.Fatal(err)
+	}
+	check("only a not-ready endpoint")
+}
+
+func TestUDPConntrackClearedOnEndpointRemoval(t *testing.T) {
+	e := setup(t)
+	svc := e.service("dns", testbed.Port("dns", corev1.ProtocolUDP, 53, testbed.EchoPort))
+	e.endpoints(svc, 1)
+	addr := testbed.ClusterAddr(svc, 53)
+	client := tb.Pod(clientPod)
+	port := 40000 + rand.IntN(10000)
+	send := func() (testbed.Answer, error) { return tb.DialUDP(client.NS, addr, time.Second, port) }
+
+	var a testbed.Answer
+	testbed.Eventually(t, 20*time.Second, func() error {
+		var err error
+		a, err = send()
+		return err
+	})
+	if a.Endpoint != podIP(1) {
+		t.Fatalf("answered by %s, want the only endpoint %s", a.Endpoint, podIP(1))
+	}
+	t.Logf("client %s:%d talks to %s through %s", client.IPv4, port, a.Endpoint, addr)
+	if ct, err := tb.Exec(tb.NodeNS, "conntrack", "-L", "-p", "udp", "--sport", fmt.Sprint(port)); err == nil {
+		t.Logf("conntrack before the change:\n%s", strings.TrimSpace(ct))
+	}
+
+	// Keep the flow alive (so its conntrack entry never expires) while the
+	// endpoint is replaced.
+	e.endpoints(svc, 2)
+	start := time.Now()
+	var last testbed.Answer
+	err := testbed.Poll(15*time.Second, 100*time.Millisecond, func() error {
+		a, err := send()
+		if err != nil {
+			return err
+		}
+		last = a
+		if a.Endpoint != podIP(2) {
+			return fmt.Errorf("same flow (source port %d) still answered by %s, want the new endpoint %s", port, a.Endpoint, podIP(2))
+		}
+		return nil
+	})
+	if err != nil {
+		if ct, cerr := tb.Exec(tb.NodeNS, "conntrack", "-L", "-p", "udp", "--sport", fmt.Sprint(port)); cerr == nil {
+			t.Logf("conntrack now:\n%s", strings.TrimSpace(ct))
+		}
+		t.Fatal(err)
+	}
+	t.Logf("same flow answered by the new endpoint %v after the change: %+v", since(start), last)
+}
+
+func TestCanaryRepairsFlushedNAT(t *testing.T) {
+	e := setup(t)
+	svc := e.service("echo", testbed.Port("http", corev1.ProtocolTCP, 80, testbed.EchoPort))
+	e.endpoints(svc, 1, 2)
+	addr := testbed.ClusterAddr(svc, 80)
+	client := tb.Pod(clientPod).NS
+	waitAnswer(t, tcp(2*time.Second), client, addr, 20*time.Second)
+
+	for _, round := range []struct {
+		name string
+		cmds [][]string
+	}{
+		{"flush nat rules", [][]string{{"iptables", "-t", "nat", "-F"}}},
+		{"flush and delete nat chains", [][]string{{"iptables", "-t", "nat", "-F"}, {"iptables", "-t", "nat", "-X"}}},
+	} {
+		for _, c := range round.cmds {
+			if _, err := tb.Exec(tb.NodeNS, c...); err != nil {
+				t.Fatalf("%s: %v", round.name, err)
+			}
+		}
+		start := time.Now()
+		_, err := tb.DialTCP(client, addr, 200*time.Millisecond)
+		t.Logf("%s: right after: %v", round.name, errString(err))
+		// canary interval is 1s: "a few" of them
+		testbed.Eventually(t, 10*time.Second, func() error {
+			_, err := tb.DialTCP(client, addr, 500*time.Millisecond)
+			return err
+		})
+		t.Logf("%s: service answers again %v later", round.name, since(start))
+		if nat := e.iptablesSave("nat"); !strings.Contains(nat, testbed.ServiceComment(e.ns, svc.Name, "http")) {
+			t.Fatalf("%s: service works but its NAT rules are not back:\n%s", round.name, filterRules(nat, e.ns+"/"))
+		}
+	}
+}
+
+func errString(err error) string {
+	if err == nil {
+		return "answered (already repaired)"
+	}
+	return err.Error()
+}

@@ -1,0 +1,168 @@
+package testbed
+
+import (
+	"bufio"
+	"crypto/sha256"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"runtime"
+	"strings"
+	"syscall"
+	"time"
+)
+
+// RepoRoot finds the root of the kpipe module: $KPIPE_ROOT, else the nearest
+// directory above the working directory whose go.mod declares
+// github.com/kpipe/kpipe, else the one above this source file.
+func RepoRoot() (string, error) {
+	if r := os.Getenv("KPIPE_ROOT"); r != "" {
+		return r, nil
+	}
+	var starts []string
+	if wd, err := os.Getwd(); err == nil {
+		starts = append(starts, wd)
+	}
+	if _, file, _, ok := runtime.Caller(0); ok {
+		starts = append(starts, filepath.Dir(file))
+	}
+	for _, dir := range starts {
+		for d := dir; ; d = filepath.Dir(d) {
+			if isKpipeRoot(d) {
+				return d, nil
+			}
+			if filepath.Dir(d) == d {
+				break
+			}
+		}
+	}
+	return "", errors.New("cannot find the kpipe repository root (set KPIPE_ROOT)")
+}
+
+func isKpipeRoot(dir string) bool {
+	f, err := os.Open(filepath.Join(dir, "go.mod"))
+	if err != nil {
+		return false
+	}
+	defer f.Close()
+	sc := bufio.NewScanner(f)
+	for sc.Scan() {
+		if strings.TrimSpace(sc.Text()) == "module github.com/kpipe/kpipe" {
+			return true
+		}
+	}
+	return false
+}
+
+// goBuild runs `go build -o out pkgs...` in dir, with GOFLAGS minus any
+// -modfile (which only ever applies to the module it was meant for) when
+// stripModfile is set.
+func goBuild(dir string, stripModfile bool, out string, pkgs ...string) error {
+	args := append([]string{"build", "-o", out}, pkgs...)
+	cmd := exec.Command("go", args...)
+	cmd.Dir = dir
+	cmd.Env = os.Environ()
+	if stripModfile {
+		var kept []string
+		for _, f := range strings.Fields(os.Getenv("GOFLAGS")) {
+			if !strings.HasPrefix(f, "-modfile") {
+				kept = append(kept, f)
+			}
+		}
+		cmd.Env = append(cmd.Env, "GOFLAGS="+strings.Join(kept, " "))
+	}
+	var outBuf strings.Builder
+	cmd.Stdout = &outBuf
+	cmd.Stderr = &outBuf
+	if err := startCmd(cmd); err != nil {
+		return fmt.Errorf("go build %s: %w", strings.Join(pkgs, " "), err)
+	}
+	if err := cmd.Wait(); err != nil {
+		return fmt.Errorf("go build %s (in %s): %w\n%s", strings.Join(pkgs, " "), dir, err, tailLines(outBuf.String(), 40))
+	}
+	return nil
+}
+
+// ControlPlaneBinaries are the paths of the kube-apiserver and etcd binaries.
+type ControlPlaneBinaries struct {
+	APIServer string
+	Etcd      string
+}
+
+// CacheDir is where built control-plane binaries are kept between runs:
+// $KPIPE_E2E_CACHE, else $HOME/.cache/kpipe-e2e/bin.
+func CacheDir() string {
+	if d := os.Getenv("KPIPE_E2E_CACHE"); d != "" {
+		return d
+	}
+	home, err := os.UserHomeDir()
+	if err != nil {
+		home = os.TempDir()
+	}
+	return filepath.Join(home, ".cache", "kpipe-e2e", "bin")
+}
+
+// EnsureControlPlane returns the kube-apiserver and etcd binaries pinned by
+// e2e/controlplane/go.mod, building them when the cache has none for this
+// exact go.mod and go.sum. logf reports progress (building takes minutes).
+func EnsureControlPlane(root string, logf func(string, ...any)) (ControlPlaneBinaries, error) {
+	cpDir := filepath.Join(root, "e2e", "controlplane")
+	h := sha256.New()
+	for _, f := range []string{"go.mod", "go.sum", filepath.Join("etcd", "main.go")} {
+		b, err := os.ReadFile(filepath.Join(cpDir, f))
+		if err != nil {
+			return ControlPlaneBinaries{}, fmt.Errorf("hash control plane pins: %w", err)
+		}
+		h.Write([]byte(f))
+		h.Write(b)
+	}
+	key := hex.EncodeToString(h.Sum(nil))[:16]
+	dir := filepath.Join(CacheDir(), key)
+	bins := ControlPlaneBinaries{
+		APIServer: filepath.Join(dir, "kube-apiserver"),
+		Etcd:      filepath.Join(dir, "etcd"),
+	}
+	if exists(bins.APIServer) && exists(bins.Etcd) {
+		return bins, nil
+	}
+	if err := os.MkdirAll(CacheDir(), 0o755); err != nil {
+		return bins, fmt.Errorf("create cache dir: %w", err)
+	}
+	// One builder at a time; the others wait and find the result.
+	lock, err := os.OpenFile(filepath.Join(CacheDir(), ".lock"), os.O_CREATE|os.O_RDWR, 0o644)
+	if err != nil {
+		return bins, fmt.Errorf("open build lock: %w", err)
+	}
+	defer lock.Close()
+	if err := syscall.Flock(int(lock.Fd()), syscall.LOCK_EX); err != nil {
+		return bins, fmt.Errorf("take build lock: %w", err)
+	}
+	defer syscall.Flock(int(lock.Fd()), syscall.LOCK_UN)
+	if exists(bins.APIServer) && exists(bins.Etcd) {
+		return bins, nil
+	}
+	tmp, err := os.MkdirTemp(CacheDir(), key+".tmp-")
+	if err != nil {
+		return bins, fmt.Errorf("create build dir: %w", err)
+	}
+	defer os.RemoveAll(tmp)
+	start := time.Now()
+	logf("building kube-apiserver and etcd into %s (first run on this machine: several minutes)", dir)
+	if err := goBuild(cpDir, true, tmp+string(filepath.Separator), "k8s.io/kubernetes/cmd/kube-apiserver", "./etcd"); err != nil {
+		return bins, err
+	}
+	_ = os.RemoveAll(dir)
+	if err := os.Rename(tmp, dir); err != nil {
+		return bins, fmt.Errorf("install control plane binaries: %w", err)
+	}
+	logf("built control plane in %v", time.Since(start).Round(time.Second))
+	return bins, nil
+}
+
+func exists(path string) bool {
+	st, err := os.Stat(path)
+	return err == nil && !st.IsDir()
+}

@@ -1,0 +1,175 @@
+package testbed
+
+import (
+	"errors"
+	"fmt"
+	"sync"
+	"time"
+)
+
+// kpipe's HTTP addresses inside the node namespace.
+const (
+	MetricsURL = "http://127.0.0.1:10249"
+	HealthzURL = "http://127.0.0.1:10256"
+)
+
+// Kpipe is the kpipe process under test, running inside the node namespace.
+type Kpipe struct {
+	tb      *Testbed
+	Bin     string
+	LogPath string
+	// Args are the flags every start gets (see DefaultKpipeArgs); extra flags
+	// given to Start come after them.
+	Args []string
+
+	mu     sync.Mutex
+	proc   *Process
+	starts int
+}
+
+// DefaultKpipeArgs are the flags the test bed runs kpipe with.
+func (tb *Testbed) DefaultKpipeArgs() []string {
+	return []string{
+		"--kubeconfig", tb.Kubeconfig,
+		"--hostname-override", NodeName,
+		"--cluster-cidr", ClusterCIDR,
+		"--iptables-min-sync-period", "100ms",
+		"--iptables-sync-period", "5s",
+		"--canary-interval", "1s",
+		"--healthz-bind-address", "0.0.0.0:10256",
+		"--metrics-bind-address", "127.0.0.1:10249",
+		"--enable-debug-handlers",
+		"--log-format", "json",
+		"--log-level", "debug",
+	}
+}
+
+// BuildKpipe builds ./cmd/kpipe into the run dir and returns a Kpipe ready to
+// Start. The binary is built once per test bed.
+func (tb *Testbed) BuildKpipe() (*Kpipe, error) {
+	tb.mu.Lock()
+	k := tb.kpipe
+	tb.mu.Unlock()
+	if k != nil {
+		return k, nil
+	}
+	bin := tb.path("kpipe")
+	if err := goBuild(tb.Root, false, bin, "./cmd/kpipe"); err != nil {
+		return nil, err
+	}
+	k = &Kpipe{tb: tb, Bin: bin, LogPath: tb.path("kpipe.log"), Args: tb.DefaultKpipeArgs()}
+	tb.mu.Lock()
+	tb.kpipe = k
+	tb.mu.Unlock()
+	return k, nil
+}
+
+// Kpipe is the kpipe of this test bed, nil before BuildKpipe succeeded.
+func (tb *Testbed) Kpipe() *Kpipe {
+	tb.mu.Lock()
+	defer tb.mu.Unlock()
+	return tb.kpipe
+}
+
+// Start starts kpipe (extra flags after the default ones) and waits until
+// /healthz answers 200, i.e. the first sync is done. On failure kpipe is left
+// as it is (maybe running) and the error carries the tail of its log.
+func (k *Kpipe) Start(extra ...string) error {
+	k.mu.Lock()
+	if k.proc != nil && !k.proc.Exited() {
+		k.mu.Unlock()
+		return errors.New("kpipe is already running")
+	}
+	argv := append([]string{"ip", "netns", "exec", k.tb.NodeNS, k.Bin}, k.Args...)
+	argv = append(argv, extra...)
+	p, err := startProcess("kpipe", k.LogPath, nil, argv...)
+	if err != nil {
+		k.mu.Unlock()
+		return err
+	}
+	k.proc = p
+	k.starts++
+	k.mu.Unlock()
+	deadline := time.Now().Add(30 * time.Second)
+	var last string
+	for {
+		if p.Exited() {
+			return fmt.Errorf("kpipe exited during start-up: %v\n--- kpipe log (%s):\n%s", p.ExitErr(), k.LogPath, p.Tail(40))
+		}
+		code, body, err := k.tb.HTTPGet(k.tb.NodeNS, HealthzURL+"/healthz")
+		if err == nil && code == 200 {
+			return nil
+		}
+		if err != nil {
+			last = err.Error()
+		} else {
+			last = fmt.Sprintf("HTTP %d: %s", code, body)
+		}
+		if time.Now().After(deadline) {
+			return fmt.Errorf("kpipe not healthy 30s after start (last /healthz: %s)\n--- kpipe log (%s):\n%s", last, k.LogPath, p.Tail(40))
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+}
+
+// Stop sends SIGTERM and waits for kpipe to exit (SIGKILL after 15 s). It
+// returns kpipe's exit error: nil when it exited 0.
+func (k *Kpipe) Stop() error {
+	p := k.current()
+	if p == nil {
+		return nil
+	}
+	return p.Stop(15 * time.Second)
+}
+
+func (k *Kpipe) current() *Process {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	return k.proc
+}
+
+func (k *Kpipe) stopQuiet() error {
+	p := k.current()
+	if p == nil || p.Exited() {
+		return nil
+	}
+	if err := p.Stop(15 * time.Second); err != nil {
+		return fmt.Errorf("stop kpipe: %w", err)
+	}
+	return nil
+}
+
+// Restart stops kpipe (if running) and starts it again.
+func (k *Kpipe) Restart(extra ...string) error {
+	if err := k.Stop(); err != nil {
+		return fmt.Errorf("stop kpipe: %w", err)
+	}
+	return k.Start(extra...)
+}
+
+// Running reports whether the kpipe process is alive.
+func (k *Kpipe) Running() bool {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	return k.proc != nil && !k.proc.Exited()
+}
+
+// PID is the pid of the current kpipe process (0 when none was started).
+func (k *Kpipe) PID() int {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	if k.proc == nil {
+		return 0
+	}
+	return k.proc.PID()
+}
+
+// Starts is how many times kpipe was started.
+func (k *Kpipe) Starts() int {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	return k.starts
+}
+
+// LogTail is the end of kpipe's log (all starts, appended).
+func (k *Kpipe) LogTail(n int) string { return tailFile(k.LogPath, n) }

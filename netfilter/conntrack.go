@@ -1,0 +1,91 @@
+package netfilter
+
+import (
+	"fmt"
+	"net/netip"
+	"syscall"
+
+	"github.com/ti-mo/conntrack"
+
+	"github.com/kpipe/kpipe/bus"
+)
+
+// Conntrack deletes conntrack flows through netlink.
+type Conntrack struct{ conn *conntrack.Conn }
+
+// DialConntrack opens a netlink connection to conntrack in this network namespace.
+func DialConntrack() (*Conntrack, error) {
+	c, err := conntrack.Dial(nil)
+	if err != nil {
+		return nil, fmt.Errorf("open conntrack netlink: %w", err)
+	}
+	return &Conntrack{conn: c}, nil
+}
+
+// Close closes the netlink connection.
+func (c *Conntrack) Close() error { return c.conn.Close() }
+
+// StaleUDP decides whether a UDP flow must go: it was sent to a front-end (a service
+// IP:port, or any local address on a node port) that now load-balances to other
+// endpoints, or to a front-end that no longer exists.
+type StaleUDP struct {
+	Family bus.Family
+	// Now maps each UDP front-end to its endpoints; NodePorts use the unspecified address.
+	Now map[netip.AddrPort][]netip.AddrPort
+	// Gone are front-ends that were programmed before and are not now.
+	Gone map[netip.AddrPort]bool
+	// IsLocal says whether an address is on this host (node ports match only those).
+	IsLocal func(netip.Addr) bool
+}
+
+// ClearStaleUDP deletes the UDP flows of family that StaleUDP marks and returns how
+// many it deleted.
+func (c *Conntrack) ClearStaleUDP(s StaleUDP) (int, error) {
+	flows, err := c.conn.Dump(nil)
+	if err != nil {
+		return 0, fmt.Errorf("dump conntrack flows: %w", err)
+	}
+	deleted := 0
+	for _, f := range flows {
+		if f.TupleOrig.Proto.Protocol != syscall.IPPROTO_UDP || bus.FamilyOf(f.TupleOrig.IP.DestinationAddress) != s.Family {
+			continue
+		}
+		if !s.stale(f) {
+			continue
+		}
+		if err := c.conn.Delete(f); err != nil {
+			continue // gone already (it timed out or another delete won): nothing to do
+		}
+		deleted++
+	}
+	return deleted, nil
+}
+
+func (s StaleUDP) stale(f conntrack.Flow) bool {
+	dst := netip.AddrPortFrom(f.TupleOrig.IP.DestinationAddress.Unmap(), f.TupleOrig.Proto.DestinationPort)
+	// Who actually answers: the reply tuple's source (the endpoint after DNAT, or the
+	// front-end itself when nothing translated it).
+	answerer := netip.AddrPortFrom(f.TupleReply.IP.SourceAddress.Unmap(), f.TupleReply.Proto.SourcePort)
+	frontEnd := dst
+	endpoints, ok := s.Now[dst]
+	if !ok && s.IsLocal != nil && s.IsLocal(dst.Addr()) {
+		frontEnd = netip.AddrPortFrom(unspecified(s.Family), dst.Port())
+		endpoints, ok = s.Now[frontEnd]
+	}
+	if !ok {
+		return s.Gone[dst] || s.Gone[netip.AddrPortFrom(unspecified(s.Family), dst.Port())]
+	}
+	for _, ep := range endpoints {
+		if ep == answerer {
+			return false
+		}
+	}
+	return true
+}
+
+func unspecified(f bus.Family) netip.Addr {
+	if f == bus.IPv6 {
+		return netip.IPv6Unspecified()
+	}
+	return netip.IPv4Unspecified()
+}

@@ -1,0 +1,121 @@
+package netfilter
+
+import (
+	"fmt"
+
+	"github.com/coreos/go-iptables/iptables"
+
+	"github.com/kpipe/kpipe/bus"
+)
+
+// Jump is a rule in a built-in chain that sends traffic into a kpipe chain.
+type Jump struct {
+	Table, From, To, Comment string
+	Match                    []string
+}
+
+// Jumps are kube-proxy's jump rules, in the order kube-proxy ensures them.
+func Jumps(localnetFirewall bool) []Jump {
+	ctNew := []string{"-m", "conntrack", "--ctstate", "NEW"}
+	js := []Jump{
+		{TableFilter, "INPUT", ChainExternalServices, "kubernetes externally-visible service portals", ctNew},
+		{TableFilter, "FORWARD", ChainExternalServices, "kubernetes externally-visible service portals", ctNew},
+		{TableFilter, "INPUT", ChainNodePorts, "kubernetes health check service ports", nil},
+		{TableFilter, "FORWARD", ChainServices, "kubernetes service portals", ctNew},
+		{TableFilter, "OUTPUT", ChainServices, "kubernetes service portals", ctNew},
+		{TableFilter, "FORWARD", ChainForward, "kubernetes forwarding rules", nil},
+		{TableFilter, "INPUT", ChainProxyFirewall, "kubernetes load balancer firewall", ctNew},
+		{TableFilter, "OUTPUT", ChainProxyFirewall, "kubernetes load balancer firewall", ctNew},
+		{TableFilter, "FORWARD", ChainProxyFirewall, "kubernetes load balancer firewall", ctNew},
+		{TableNAT, "OUTPUT", ChainServices, "kubernetes service portals", nil},
+		{TableNAT, "PREROUTING", ChainServices, "kubernetes service portals", nil},
+		{TableNAT, "POSTROUTING", ChainPostrouting, "kubernetes postrouting rules", nil},
+	}
+	if localnetFirewall {
+		js = append(js,
+			Jump{TableFilter, "INPUT", ChainLocalnetFirewall, "", nil},
+			Jump{TableFilter, "OUTPUT", ChainLocalnetFirewall, "", nil})
+	}
+	return js
+}
+
+// Rules is a go-iptables handle for one family, for the few rules kpipe keeps
+// outside its own chains (jumps, canaries).
+type Rules struct{ ipt *iptables.IPTables }
+
+// NewRules makes a handle for family.
+func NewRules(family bus.Family) (*Rules, error) {
+	proto := iptables.ProtocolIPv4
+	if family == bus.IPv6 {
+		proto = iptables.ProtocolIPv6
+	}
+	ipt, err := iptables.NewWithProtocol(proto)
+	if err != nil {
+		return nil, fmt.Errorf("open iptables for %v: %w", family, err)
+	}
+	return &Rules{ipt: ipt}, nil
+}
+
+// EnsureChain creates chain in table if it does not exist; it never flushes it.
+func (r *Rules) EnsureChain(table, chain string) error {
+	ok, err := r.ipt.ChainExists(table, chain)
+	if err != nil {
+		return fmt.Errorf("check chain %s/%s: %w", table, chain, err)
+	}
+	if ok {
+		return nil
+	}
+	if err := r.ipt.NewChain(table, chain); err != nil {
+		// Lost a race with another writer: fine if it exists now.
+		if ok, _ := r.ipt.ChainExists(table, chain); ok {
+			return nil
+		}
+		return fmt.Errorf("create chain %s/%s: %w", table, chain, err)
+	}
+	return nil
+}
+
+// ChainExists says whether chain is in table.
+func (r *Rules) ChainExists(table, chain string) (bool, error) {
+	return r.ipt.ChainExists(table, chain)
+}
+
+// EnsureJump makes sure j's target chain exists and j is in its built-in chain,
+// inserting it first if it is missing (as kube-proxy does).
+func (r *Rules) EnsureJump(j Jump) error {
+	if err := r.EnsureChain(j.Table, j.To); err != nil {
+		return err
+	}
+	spec := append([]string{}, j.Match...)
+	if j.Comment != "" {
+		spec = append(spec, "-m", "comment", "--comment", j.Comment)
+	}
+	spec = append(spec, "-j", j.To)
+	if err := r.ipt.InsertUnique(j.Table, j.From, 1, spec...); err != nil {
+		return fmt.Errorf("ensure jump %s/%s -> %s: %w", j.Table, j.From, j.To, err)
+	}
+	return nil
+}
+
+// canaryRule is the one rule of a canary chain: a flush (-F) removes it even though
+// the chain itself survives.
+var canaryRule = []string{"-m", "comment", "--comment", "kpipe canary", "-j", "RETURN"}
+
+// EnsureCanaries creates the canary chain, with its rule, in each table.
+func (r *Rules) EnsureCanaries(tables []string) error {
+	for _, t := range tables {
+		if err := r.EnsureChain(t, ChainCanary); err != nil {
+			return err
+		}
+		if err := r.ipt.AppendUnique(t, ChainCanary, canaryRule...); err != nil {
+			return fmt.Errorf("ensure canary rule in %s: %w", t, err)
+		}
+	}
+	return nil
+}
+
+// CanaryAlive says whether table still holds the canary chain and its rule.
+func (r *Rules) CanaryAlive(table string) bool {
+	ok, err := r.ipt.Exists(table, ChainCanary, canaryRule...)
+	return err == nil && ok
+}

@@ -1,0 +1,66 @@
+// Package netfilter is the only code in kpipe that talks to the kernel: it runs
+// iptables-restore and iptables-save, ensures the jump rules from the built-in
+// chains, deletes conntrack flows and reads local addresses and sysctls.
+package netfilter
+
+import (
+	"crypto/sha256"
+	"encoding/base32"
+
+	"github.com/kpipe/kpipe/bus"
+)
+
+// Tables kpipe writes.
+const (
+	TableNAT    = "nat"
+	TableFilter = "filter"
+	TableMangle = "mangle"
+)
+
+// The chains kpipe owns. They carry kube-proxy's names so that kpipe takes over a
+// node that kube-proxy programmed (and kube-proxy one that kpipe programmed)
+// without leaving two sets of rules behind.
+const (
+	ChainServices         = "KUBE-SERVICES"
+	ChainExternalServices = "KUBE-EXTERNAL-SERVICES"
+	ChainNodePorts        = "KUBE-NODEPORTS"
+	ChainPostrouting      = "KUBE-POSTROUTING"
+	ChainMarkMasq         = "KUBE-MARK-MASQ"
+	ChainForward          = "KUBE-FORWARD"
+	ChainProxyFirewall    = "KUBE-PROXY-FIREWALL"
+	ChainLocalnetFirewall = "KUBE-FIREWALL"
+	ChainCanary           = "KUBE-PROXY-CANARY"
+)
+
+// Prefixes of the per-service-port chains. KUBE-SEP- is not used by kpipe (it writes
+// endpoints inline in the service chain) but is cleaned up when found, so a node
+// taken over from kube-proxy does not keep its per-endpoint chains.
+const (
+	PrefixService       = "KUBE-SVC-"
+	PrefixServiceLocal  = "KUBE-SVL-"
+	PrefixExternal      = "KUBE-EXT-"
+	PrefixFirewall      = "KUBE-FW-"
+	PrefixEndpoint      = "KUBE-SEP-"
+	prefixLegacyXLB     = "KUBE-XLB-"
+	serviceChainHashLen = 16
+)
+
+// OwnedPrefixes are the chain prefixes whose unused chains a full sync deletes.
+var OwnedPrefixes = []string{PrefixService, PrefixServiceLocal, PrefixExternal, PrefixFirewall, PrefixEndpoint, prefixLegacyXLB}
+
+// ServiceChain names the chain of one service port: prefix plus a hash of the
+// port's name and protocol, the way kube-proxy names its KUBE-SVC- chains.
+func ServiceChain(prefix string, port bus.ServicePortName) string {
+	return prefix + hash16(port.String()+string(port.Protocol))
+}
+
+// EndpointName names an endpoint of a service port, for the xt_recent list that
+// implements session affinity (kube-proxy names it after the KUBE-SEP- chain).
+func EndpointName(port bus.ServicePortName, endpoint string) string {
+	return PrefixEndpoint + hash16(port.String()+string(port.Protocol)+endpoint)
+}
+
+func hash16(s string) string {
+	sum := sha256.Sum256([]byte(s))
+	return base32.StdEncoding.EncodeToString(sum[:])[:serviceChainHashLen]
+}

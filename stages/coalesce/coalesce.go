@@ -1,0 +1,359 @@
+// Package coalesce holds the desired state and decides when render gets a new
+// snapshot: at most one in flight per family, rate-limited the way kube-proxy's
+// BoundedFrequencyRunner limits syncs (a burst, then one per min-sync-period).
+package coalesce
+
+import (
+	"context"
+	"log/slog"
+	"maps"
+	"time"
+
+	"github.com/kpipe/kpipe/bus"
+)
+
+// Config sets the sync timing (kube-proxy's --iptables-min-sync-period,
+// --iptables-sync-period and burst).
+type Config struct {
+	MinSyncPeriod time.Duration
+	SyncPeriod    time.Duration
+	Burst         int
+	// FullSyncPeriod is how often a periodic sync rewrites every chain even though
+	// nothing changed (kube-proxy: one hour).
+	FullSyncPeriod time.Duration
+}
+
+// Family is the mailboxes that connect coalesce to one family's pipeline.
+type Family struct {
+	Family  bus.Family
+	Out     *bus.Mailbox[*bus.Snapshot]
+	Results *bus.Mailbox[bus.Result]
+	Resync  *bus.Flag
+}
+
+// Stage is the coalesce stage.
+type Stage struct {
+	cfg      Config
+	in       <-chan bus.Change
+	replay   *bus.Flag
+	families []Family
+	board    *bus.Board
+	metrics  *bus.Metrics
+	log      *slog.Logger
+	now      func() time.Time
+}
+
+// NewStage makes the coalesce stage.
+func NewStage(cfg Config, in <-chan bus.Change, replay *bus.Flag, families []Family, board *bus.Board, metrics *bus.Metrics, log *slog.Logger) *Stage {
+	if cfg.Burst < 1 {
+		cfg.Burst = 1
+	}
+	if cfg.FullSyncPeriod == 0 {
+		cfg.FullSyncPeriod = time.Hour
+	}
+	return &Stage{cfg: cfg, in: in, replay: replay, families: families, board: board, metrics: metrics, log: log, now: time.Now}
+}
+
+// pendingChange is a change not yet known to be committed.
+type pendingChange struct {
+	seq uint64
+	at  time.Time
+}
+
+// familyState is what coalesce tracks for one family's pipeline.
+type familyState struct {
+	Family
+	name      string
+	pending   map[bus.ServiceKey]pendingChange
+	dirty     bool      // something changed that is not yet in a snapshot
+	full      bool      // the next snapshot must be a full sync
+	inflight  uint64    // generation sent and not yet answered; 0: none
+	sentSeq   uint64    // change sequence number the in-flight snapshot includes
+	committed *bus.Programmed
+	failures  int
+	retryAt   time.Time
+	lastFull  time.Time
+	limiter   *limiter
+}
+
+// Run coalesces until ctx ends. It starts with nothing and asks watch for a
+// replay; no snapshot goes out before that replay, so a restart never programs an
+// empty state over working rules.
+func (s *Stage) Run(ctx context.Context) error {
+	st := bus.State{Services: map[bus.ServiceKey]*bus.Service{}, Slices: map[bus.ServiceKey]map[string]*bus.EndpointSlice{}}
+	synced := false
+	fams := make([]*familyState, len(s.families))
+	for i, f := range s.families {
+		fams[i] = &familyState{Family: f, name: "coalesce-" + lowerFamily(f.Family), pending: map[bus.ServiceKey]pendingChange{}, full: true,
+			limiter: newLimiter(s.cfg.MinSyncPeriod, s.cfg.Burst, s.now())}
+	}
+	s.replay.Raise()
+	var seq, gen uint64
+	periodic := time.NewTicker(s.cfg.SyncPeriod)
+	defer periodic.Stop()
+	timer := time.NewTimer(time.Hour)
+	defer timer.Stop()
+
+	// Up to two families: select on fixed channels, nil for an absent family.
+	resyncC := [2]<-chan struct{}{}
+	resultC := [2]<-chan struct{}{}
+	for i, f := range fams {
+		resyncC[i], resultC[i] = f.Resync.C(), f.Results.Ready()
+	}
+
+	for {
+		now := s.now()
+		// Arm the timer for the next moment a snapshot may go out.
+		if at, ok := s.nextRun(synced, fams, now); ok {
+			resetTimer(timer, at.Sub(now))
+		} else {
+			resetTimer(timer, time.Hour)
+		}
+		select {
+		case <-ctx.Done():
+			return nil
+		case c := <-s.in:
+			seq++
+			s.apply(&st, &synced, c, seq, fams)
+		case <-periodic.C:
+			for _, f := range fams {
+				if s.now().Sub(f.lastFull) >= s.cfg.FullSyncPeriod {
+					f.full = true
+				}
+			}
+		case <-resyncC[0]:
+			s.resync(fams[0])
+		case <-resyncC[1]:
+			s.resync(fams[1])
+		case <-resultC[0]:
+			s.result(fams[0])
+		case <-resultC[1]:
+			s.result(fams[1])
+		case <-timer.C:
+			now := s.now()
+			for _, f := range fams {
+				if synced && f.due(now) && f.limiter.take(now) {
+					gen++
+					s.send(f, &st, gen, seq, now)
+				}
+			}
+		}
+	}
+}
+
+func lowerFamily(f bus.Family) string {
+	if f == bus.IPv6 {
+		return "ipv6"
+	}
+	return "ipv4"
+}
+
+func resetTimer(t *time.Timer, d time.Duration) {
+	t.Stop()
+	select {
+	case <-t.C:
+	default:
+	}
+	t.Reset(max(d, 0))
+}
+
+// due says whether f needs a snapshot now.
+func (f *familyState) due(now time.Time) bool {
+	return f.inflight == 0 && (f.dirty || f.full) && !now.Before(f.retryAt)
+}
+
+// nextRun is when the next snapshot may go out, if any is wanted.
+func (s *Stage) nextRun(synced bool, fams []*familyState, now time.Time) (time.Time, bool) {
+	if !synced {
+		return time.Time{}, false
+	}
+	var best time.Time
+	found := false
+	for _, f := range fams {
+		if f.inflight != 0 || !(f.dirty || f.full) {
+			continue
+		}
+		at := f.limiter.next(now)
+		if f.retryAt.After(at) {
+			at = f.retryAt
+		}
+		if !found || at.Before(best) {
+			best, found = at, true
+		}
+	}
+	return best, found
+}
+
+func (s *Stage) apply(st *bus.State, synced *bool, c bus.Change, seq uint64, fams []*familyState) {
+	now := s.now()
+	mark := func(key bus.ServiceKey) {
+		for _, f := range fams {
+			f.dirty = true
+			if key != (bus.ServiceKey{}) {
+				if _, ok := f.pending[key]; !ok {
+					f.pending[key] = pendingChange{seq: seq, at: now}
+				} else {
+					f.pending[key] = pendingChange{seq: seq, at: f.pending[key].at}
+				}
+			}
+		}
+	}
+	switch c.Kind {
+	case bus.ServiceChanged:
+		s.metrics.ServiceChanges.Inc()
+		if c.Service == nil {
+			delete(st.Services, c.Key)
+		} else {
+			st.Services[c.Key] = c.Service
+		}
+		mark(c.Key)
+	case bus.SliceChanged:
+		s.metrics.EndpointChanges.Inc()
+		// Copy on write: snapshots already sent share the old inner map.
+		inner := maps.Clone(st.Slices[c.Key])
+		if inner == nil {
+			inner = map[string]*bus.EndpointSlice{}
+		}
+		if c.Slice == nil {
+			delete(inner, c.SliceName)
+		} else {
+			inner[c.SliceName] = c.Slice
+		}
+		if len(inner) == 0 {
+			delete(st.Slices, c.Key)
+		} else {
+			st.Slices[c.Key] = inner
+		}
+		mark(c.Key)
+	case bus.NodeChanged:
+		st.Node = c.Node
+		mark(bus.ServiceKey{})
+	case bus.LocalAddrsChanged:
+		st.LocalAddrs = c.Addrs
+		mark(bus.ServiceKey{})
+	case bus.Replayed:
+		*st = *c.Replay
+		if st.Services == nil {
+			st.Services = map[bus.ServiceKey]*bus.Service{}
+		}
+		if st.Slices == nil {
+			st.Slices = map[bus.ServiceKey]map[string]*bus.EndpointSlice{}
+		}
+		*synced = true
+		mark(bus.ServiceKey{})
+		s.log.Info("state replayed from watch", "services", len(st.Services))
+	}
+	s.metrics.LastQueued.SetToCurrentTime()
+	s.publish(fams, now)
+}
+
+func (s *Stage) resync(f *familyState) {
+	// Whatever was in flight may never be answered (render or commit restarted).
+	f.full, f.inflight = true, 0
+}
+
+func (s *Stage) result(f *familyState) {
+	res, ok := f.Results.TryTake()
+	if !ok || res.Generation != f.inflight {
+		return // an answer to a snapshot abandoned by a resync
+	}
+	f.inflight = 0
+	now := s.now()
+	if !res.OK {
+		f.failures++
+		backoff := min(max(s.cfg.MinSyncPeriod, 100*time.Millisecond)<<min(f.failures-1, 10), s.cfg.SyncPeriod)
+		f.retryAt = now.Add(backoff)
+		f.full = true
+		s.log.Warn("commit failed; retrying with a full sync", "family", f.Family.Family, "in", backoff, "failures", f.failures)
+		return
+	}
+	f.failures, f.retryAt = 0, time.Time{}
+	f.committed = res.Programmed
+	if res.Full {
+		f.lastFull = res.At
+	}
+	for k, p := range f.pending {
+		if p.seq <= f.sentSeq {
+			delete(f.pending, k)
+		}
+	}
+	s.publish([]*familyState{f}, now)
+}
+
+func (s *Stage) send(f *familyState, st *bus.State, gen, seq uint64, now time.Time) {
+	changed := make(map[bus.ServiceKey]bool, len(f.pending))
+	queued := time.Time{}
+	for k, p := range f.pending {
+		changed[k] = true
+		if queued.IsZero() || p.at.Before(queued) {
+			queued = p.at
+		}
+	}
+	snap := &bus.Snapshot{
+		Generation: gen,
+		State: bus.State{Services: maps.Clone(st.Services), Slices: maps.Clone(st.Slices), Node: st.Node,
+			LocalAddrs: st.LocalAddrs},
+		Changed: changed, Full: f.full, QueuedAt: queued, Committed: f.committed,
+	}
+	if f.full {
+		snap.Committed = nil
+	}
+	f.inflight, f.sentSeq, f.dirty, f.full = gen, seq, false, false
+	f.Out.Put(snap)
+}
+
+// publish reports pending changes for /healthz and the pending metrics.
+func (s *Stage) publish(fams []*familyState, now time.Time) {
+	for _, f := range fams {
+		oldest := time.Time{}
+		for _, p := range f.pending {
+			if oldest.IsZero() || p.at.Before(oldest) {
+				oldest = p.at
+			}
+		}
+		s.board.Update(f.name, func(r *bus.Report) { r.PendingSince = oldest; r.LastQueued = now })
+	}
+	if len(fams) > 0 {
+		s.metrics.ServicesPending.Set(float64(len(fams[0].pending)))
+	}
+}
+
+// limiter is a token bucket: burst tokens, refilled at one per interval.
+type limiter struct {
+	interval time.Duration
+	burst    float64
+	tokens   float64
+	last     time.Time
+}
+
+func newLimiter(interval time.Duration, burst int, now time.Time) *limiter {
+	return &limiter{interval: interval, burst: float64(burst), tokens: float64(burst), last: now}
+}
+
+func (l *limiter) refill(now time.Time) {
+	if l.interval <= 0 {
+		l.tokens = l.burst
+		return
+	}
+	l.tokens = min(l.burst, l.tokens+float64(now.Sub(l.last))/float64(l.interval))
+	l.last = now
+}
+
+// next is when a token will be available.
+func (l *limiter) next(now time.Time) time.Time {
+	l.refill(now)
+	if l.tokens >= 1 {
+		return now
+	}
+	return now.Add(time.Duration((1 - l.tokens) * float64(l.interval)))
+}
+
+// take spends a token if one is available.
+func (l *limiter) take(now time.Time) bool {
+	l.refill(now)
+	if l.tokens < 1 {
+		return false
+	}
+	l.tokens--
+	return true
+}

@@ -1,0 +1,181 @@
+// Package commit is the only writer of netfilter rules: it applies render's plans
+// with iptables-restore and reports each result to coalesce.
+package commit
+
+import (
+	"bytes"
+	"context"
+	"fmt"
+	"log/slog"
+	"maps"
+	"net/netip"
+	"slices"
+	"time"
+
+	"github.com/kpipe/kpipe/bus"
+	nf "github.com/kpipe/kpipe/netfilter"
+)
+
+// Outputs are where commit sends what follows a successful commit.
+type Outputs struct {
+	Results      *bus.Mailbox[bus.Result]
+	Resync       *bus.Flag
+	Flows        *bus.Mailbox[bus.StaleFlows]
+	HealthChecks *bus.Mailbox[bus.HealthCheckUpdates]
+}
+
+// Stage applies plans of one family.
+type Stage struct {
+	family           bus.Family
+	localnetFirewall bool
+	in               *bus.Mailbox[*bus.Plan]
+	out              Outputs
+	board            *bus.Board
+	metrics          *bus.Metrics
+	log              *slog.Logger
+	tool             nf.Tool
+	name             string
+}
+
+// NewStage makes the commit stage of family. localnetFirewall says whether the
+// KUBE-FIREWALL jumps (localhost NodePorts) are wanted.
+func NewStage(family bus.Family, localnetFirewall bool, in *bus.Mailbox[*bus.Plan], out Outputs, board *bus.Board, metrics *bus.Metrics, log *slog.Logger) *Stage {
+	return &Stage{family: family, localnetFirewall: localnetFirewall, in: in, out: out, board: board, metrics: metrics, log: log,
+		tool: nf.Tool{Family: family}, name: "commit-" + lower(family)}
+}
+
+func lower(f bus.Family) string {
+	if f == bus.IPv6 {
+		return "ipv6"
+	}
+	return "ipv4"
+}
+
+// Run applies plans until ctx ends. It never flushes anything at start: the rules
+// a previous kpipe left keep working until a full sync replaces them.
+func (s *Stage) Run(ctx context.Context) error {
+	rules, err := nf.NewRules(s.family)
+	if err != nil {
+		return err
+	}
+	// We do not know what the kernel holds: ask for a full sync.
+	s.out.Resync.Raise()
+	var last *bus.Programmed
+	for {
+		plan, err := s.in.Take(ctx)
+		if err != nil {
+			return nil
+		}
+		start := time.Now()
+		if err := s.apply(ctx, rules, plan); err != nil {
+			if ctx.Err() != nil {
+				return nil
+			}
+			s.metrics.RestoreFailures.Inc()
+			s.log.Error("commit failed; a full resync follows", "family", s.family, "generation", plan.Generation, "err", err)
+			s.board.Update(s.name, func(r *bus.Report) { r.Errors++; r.LastError = err.Error() })
+			// The failed result makes coalesce retry with a full sync, after a backoff.
+			s.out.Results.Put(bus.Result{Family: s.family, Generation: plan.Generation, Err: err, Full: plan.Full, At: time.Now()})
+			continue
+		}
+		now := time.Now()
+		s.record(plan, start, now)
+		s.out.Results.Put(bus.Result{Family: s.family, Generation: plan.Generation, OK: true, Full: plan.Full, At: now,
+			Duration: now.Sub(start), Programmed: plan.Programmed})
+		s.out.HealthChecks.Put(bus.HealthCheckUpdates{s.family: plan.HealthChecks})
+		if flows, changed := staleFlows(s.family, last, plan.Programmed); changed {
+			s.out.Flows.Put(flows)
+		}
+		last = plan.Programmed
+	}
+}
+
+// apply writes the plan. A full plan also re-ensures the jumps from the built-in
+// chains and deletes per-service chains that exist in the kernel but not in the plan.
+func (s *Stage) apply(ctx context.Context, rules *nf.Rules, plan *bus.Plan) error {
+	var payload bytes.Buffer
+	for _, tp := range plan.Tables {
+		var stale []string
+		if plan.Full {
+			existing, err := s.tool.Chains(ctx, tp.Table)
+			if err != nil {
+				return err
+			}
+			stale = staleChains(existing, tp, plan.Programmed)
+		}
+		if len(tp.Declare) == 0 && len(tp.Delete) == 0 && len(stale) == 0 {
+			continue
+		}
+		payload.Write(nf.Assemble(tp, stale))
+	}
+	if plan.Full {
+		for _, j := range nf.Jumps(s.localnetFirewall && s.family == bus.IPv4) {
+			if err := rules.EnsureJump(j); err != nil {
+				return err
+			}
+		}
+	}
+	if payload.Len() == 0 {
+		return nil
+	}
+	if err := s.tool.Restore(ctx, payload.Bytes()); err != nil {
+		return fmt.Errorf("commit generation %d: %w", plan.Generation, err)
+	}
+	return nil
+}
+
+// staleChains lists per-service chains in the kernel that the plan neither writes
+// nor deletes already.
+func staleChains(existing []string, tp bus.TablePayload, programmed *bus.Programmed) []string {
+	var stale []string
+	for _, c := range existing {
+		if !nf.IsOwned(c) || slices.Contains(tp.Delete, c) {
+			continue
+		}
+		if _, ok := programmed.Chains[tp.Table+"/"+c]; !ok {
+			stale = append(stale, c)
+		}
+	}
+	return stale
+}
+
+func (s *Stage) record(plan *bus.Plan, start, now time.Time) {
+	began := plan.Started
+	if began.IsZero() {
+		began = start
+	}
+	took := now.Sub(began).Seconds()
+	s.metrics.SyncDuration.Observe(took)
+	if plan.Full {
+		s.metrics.SyncFullDuration.Observe(took)
+	} else {
+		s.metrics.SyncPartialDuration.Observe(took)
+	}
+	s.metrics.LastSync.SetToCurrentTime()
+	for _, tp := range plan.Tables {
+		s.metrics.RulesTotal.WithLabelValues(tp.Table).Set(float64(tp.RuleCount))
+	}
+	for policy, n := range plan.NoLocalEndpoints {
+		s.metrics.NoLocalEndpoints.WithLabelValues(policy).Set(float64(n))
+	}
+	s.board.Update(s.name, func(r *bus.Report) { r.LastSync = now; r.Detail = fmt.Sprintf("generation %d", plan.Generation) })
+	s.log.Debug("committed", "family", s.family, "generation", plan.Generation, "full", plan.Full, "took", now.Sub(began))
+}
+
+// staleFlows says which UDP front-ends changed since the last commit, if any did.
+func staleFlows(family bus.Family, last, now *bus.Programmed) (bus.StaleFlows, bool) {
+	var before map[netip.AddrPort][]netip.AddrPort
+	if last != nil {
+		before = last.UDP
+	}
+	if last != nil && maps.EqualFunc(before, now.UDP, slices.Equal) {
+		return bus.StaleFlows{}, false
+	}
+	gone := map[netip.AddrPort]bool{}
+	for k := range before {
+		if _, ok := now.UDP[k]; !ok {
+			gone[k] = true
+		}
+	}
+	return bus.StaleFlows{Family: family, Now: now.UDP, Gone: gone}, true
+}

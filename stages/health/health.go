@@ -1,0 +1,235 @@
+// Package health is the health stage: it serves kube-proxy's HTTP surface — /healthz
+// and /livez on the healthz listener; /metrics, /proxyMode, /configz, /healthz and the
+// debug handlers on the metrics listener — and one HTTP server per
+// healthCheckNodePort, from what the other stages publish on the board and in the
+// health-check mailbox.
+package health
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"maps"
+	"net"
+	"net/http"
+	"net/netip"
+	"sync"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/kpipe/kpipe/bus"
+)
+
+// Config says where and what the health stage serves.
+type Config struct {
+	HealthzAddr string        // e.g. "0.0.0.0:10256"; "" disables
+	MetricsAddr string        // e.g. "127.0.0.1:10249"; "" disables
+	EnableDebug bool          // pprof (/debug/pprof/...) and Stages on the metrics listener
+	SyncPeriod  time.Duration // health timeout is 2 × SyncPeriod (≤ 0: kube-proxy's default, 30s)
+	NodeName    string
+	// NodeAddrs are the addresses healthCheckNodePort servers listen on; nil or
+	// empty: all addresses (":port"). It is asked when a service's server opens.
+	NodeAddrs func() []netip.Addr
+	// Families are the families whose commit stages must report (e.g. [IPv4] or
+	// [IPv4, IPv6]); empty means [IPv4].
+	Families []bus.Family
+	// Configz is served as JSON at /configz, under kube-proxy's configz key
+	// ("kubeproxy.config.k8s.io"), as kube-proxy serves its configuration.
+	Configz any
+}
+
+const (
+	defaultSyncPeriod = 30 * time.Second
+	// shutdownGrace bounds how long Run waits for in-flight requests when ctx ends.
+	shutdownGrace = 5 * time.Second
+	// readHeaderTimeout guards every server against slow-header clients.
+	readHeaderTimeout = 30 * time.Second
+)
+
+// Health is the health stage. Make it with New; Run may be called again after it
+// returns (the supervisor's restart): it re-binds its ports and reopens the
+// healthCheckNodePort servers from the last health checks it took.
+type Health struct {
+	cfg      Config
+	families []bus.Family
+	timeout  time.Duration
+	board    *bus.Board
+	gatherer prometheus.Gatherer
+	metrics  *bus.Metrics
+	checks   *bus.Mailbox[bus.HealthCheckUpdates]
+	stages   http.Handler
+	log      *slog.Logger
+
+	// started stands for kube-proxy's "Updated() at the start of SyncLoop": a family
+	// that has never committed counts as updated at this time.
+	started time.Time
+	now     func() time.Time
+	grace   time.Duration
+
+	// latest holds the last HealthChecks taken per family; it outlives a Run so a
+	// restarted Run reopens the servers the mailbox no longer holds. Only Run touches it.
+	latest map[bus.Family]bus.HealthChecks
+
+	mu    sync.Mutex // guards bound
+	bound map[string]net.Addr
+}
+
+// New makes the health stage. board carries the other stages' reports, gatherer the
+// metrics /metrics serves, metrics the counters of /healthz and /livez answers,
+// checks the healthCheckNodePort answers (one HealthChecks per family), stages the
+// supervisor's /debug/stages handler (mounted only with EnableDebug; may be nil).
+func New(cfg Config, board *bus.Board, gatherer prometheus.Gatherer, metrics *bus.Metrics,
+	checks *bus.Mailbox[bus.HealthCheckUpdates], stages http.Handler, log *slog.Logger) *Health {
+	if log == nil {
+		log = slog.New(slog.DiscardHandler)
+	}
+	if board == nil {
+		board = bus.NewBoard()
+	}
+	period := cfg.SyncPeriod
+	if period <= 0 {
+		period = defaultSyncPeriod
+	}
+	var families []bus.Family
+	seen := map[bus.Family]bool{}
+	for _, f := range cfg.Families {
+		if !seen[f] {
+			seen[f] = true
+			families = append(families, f)
+		}
+	}
+	if len(families) == 0 {
+		families = []bus.Family{bus.IPv4}
+	}
+	return &Health{
+		cfg:      cfg,
+		families: families,
+		timeout:  2 * period,
+		board:    board,
+		gatherer: gatherer,
+		metrics:  metrics,
+		checks:   checks,
+		stages:   stages,
+		log:      log,
+		started:  time.Now(),
+		now:      time.Now,
+		grace:    shutdownGrace,
+		latest:   map[bus.Family]bus.HealthChecks{},
+		bound:    map[string]net.Addr{},
+	}
+}
+
+// listenerNames for boundAddr.
+const (
+	healthzListener = "healthz"
+	metricsListener = "metrics"
+)
+
+// boundAddr is the address a listener of the running Run is bound to (nil when not
+// listening); tests pass ":0"-style addresses and ask for the real one here.
+func (h *Health) boundAddr(name string) net.Addr {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	return h.bound[name]
+}
+
+func (h *Health) setBound(name string, a net.Addr) {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	if a == nil {
+		delete(h.bound, name)
+	} else {
+		h.bound[name] = a
+	}
+}
+
+// Run serves until ctx ends (then shuts the servers down gracefully, closes every
+// healthCheckNodePort listener and returns nil) or the healthz or metrics listener
+// fails (then returns the error). Every port is released when it returns.
+func (h *Health) Run(ctx context.Context) error {
+	if ctx.Err() != nil {
+		return nil
+	}
+	var (
+		wg      sync.WaitGroup
+		servers []*http.Server
+		lns     []net.Listener
+		names   []string
+	)
+	errc := make(chan error, 2)
+	hc := newServiceServers(h, &wg)
+
+	defer func() {
+		// Graceful first; whatever is still running after the grace period is cut.
+		sctx, cancel := context.WithTimeout(context.Background(), h.grace)
+		defer cancel()
+		for i, srv := range servers {
+			if err := srv.Shutdown(sctx); err != nil {
+				h.log.Warn("graceful shutdown cut short", "listener", names[i], "err", err)
+				_ = srv.Close()
+			}
+		}
+		for _, ln := range lns {
+			_ = ln.Close() // already closed by Shutdown unless Serve never started
+		}
+		hc.closeAll()
+		wg.Wait()
+		for _, n := range names {
+			h.setBound(n, nil)
+		}
+	}()
+
+	serve := func(name, addr string, handler http.Handler) error {
+		ln, err := (&net.ListenConfig{}).Listen(ctx, "tcp", addr)
+		if err != nil {
+			return fmt.Errorf("listen for %s on %s: %w", name, addr, err)
+		}
+		srv := &http.Server{Handler: handler, ReadHeaderTimeout: readHeaderTimeout,
+			ErrorLog: slog.NewLogLogger(h.log.Handler(), slog.LevelWarn)}
+		servers, lns, names = append(servers, srv), append(lns, ln), append(names, name)
+		h.setBound(name, ln.Addr())
+		h.log.Info("serving", "listener", name, "addr", ln.Addr().String())
+		wg.Go(func() {
+			if err := srv.Serve(ln); err != nil && !errors.Is(err, http.ErrServerClosed) {
+				errc <- fmt.Errorf("serve %s on %s: %w", name, addr, err)
+			}
+		})
+		return nil
+	}
+	if h.cfg.HealthzAddr != "" {
+		if err := serve(healthzListener, h.cfg.HealthzAddr, h.healthzMux()); err != nil {
+			return err
+		}
+	}
+	if h.cfg.MetricsAddr != "" {
+		if err := serve(metricsListener, h.cfg.MetricsAddr, h.metricsMux()); err != nil {
+			return err
+		}
+	}
+
+	// Reopen what a previous Run served, then follow the mailbox.
+	var ready <-chan struct{}
+	if h.checks != nil {
+		ready = h.checks.Ready()
+		if v, ok := h.checks.TryTake(); ok {
+			maps.Copy(h.latest, v)
+		}
+	}
+	hc.sync(mergeChecks(h.latest))
+	for {
+		select {
+		case <-ctx.Done():
+			return nil
+		case err := <-errc:
+			h.log.Error("listener failed", "err", err)
+			return err
+		case <-ready:
+			if v, ok := h.checks.TryTake(); ok {
+				maps.Copy(h.latest, v)
+				hc.sync(mergeChecks(h.latest))
+			}
+		}
+	}
+}

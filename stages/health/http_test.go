@@ -1,0 +1,516 @@
+package health
+
+import (
+	"context"
+	"errors"
+	"io"
+	"log/slog"
+	"net"
+	"net/http"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/kpipe/kpipe/bus"
+)
+
+// harness is a Health wired to fresh bus values, with a fixed clock.
+type harness struct {
+	h       *Health
+	board   *bus.Board
+	reg     *prometheus.Registry
+	metrics *bus.Metrics
+	checks  *bus.Mailbox[bus.HealthCheckUpdates]
+	now     time.Time
+}
+
+var (
+	testStarted = time.Date(2025, 1, 2, 3, 0, 0, 0, time.UTC)
+	testNow     = testStarted.Add(10 * time.Minute)
+)
+
+func newHarness(t *testing.T, cfg Config, stages http.Handler) *harness {
+	t.Helper()
+	reg := prometheus.NewRegistry()
+	hs := &harness{
+		board:   bus.NewBoard(),
+		reg:     reg,
+		metrics: bus.NewMetrics(reg),
+		checks:  bus.NewMergingMailbox(bus.MergeHealthCheckUpdates),
+		now:     testNow,
+	}
+	log := slog.New(slog.NewTextHandler(testWriter{t}, &slog.HandlerOptions{Level: slog.LevelDebug}))
+	hs.h = New(cfg, hs.board, reg, hs.metrics, hs.checks, stages, log)
+	hs.h.started = testStarted
+	hs.h.now = func() time.Time { return testNow }
+	hs.h.grace = time.Second
+	return hs
+}
+
+// run starts Run and returns a stop function that cancels it and returns its error.
+func (hs *harness) run(t *testing.T) (stop func() error) {
+	t.Helper()
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- hs.h.Run(ctx) }()
+	stopped := false
+	var err error
+	stop = func() error {
+		if stopped {
+			return err
+		}
+		stopped = true
+		cancel()
+		select {
+		case err = <-done:
+		case <-time.After(10 * time.Second):
+			t.Fatal("Run did not return after cancel")
+		}
+		return err
+	}
+	t.Cleanup(func() { _ = stop() })
+	return stop
+}
+
+// addr waits for the named listener to be bound and returns its address.
+func (hs *harness) addr(t *testing.T, name string) string {
+	t.Helper()
+	var a net.Addr
+	eventually(t, func() bool { a = hs.h.boundAddr(name); return a != nil }, "listener %s bound", name)
+	return a.String()
+}
+
+func eventually(t *testing.T, cond func() bool, format string, args ...any) {
+	t.Helper()
+	deadline := time.Now().Add(10 * time.Second)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("timed out waiting for: "+format, args...)
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+}
+
+type testWriter struct{ t *testing.T }
+
+func (w testWriter) Write(p []byte) (int, error) {
+	w.t.Log(strings.TrimSuffix(string(p), "\n"))
+	return len(p), nil
+}
+
+var client = &http.Client{
+	Timeout: 10 * time.Second,
+	CheckRedirect: func(*http.Request, []*http.Request) error {
+		return http.ErrUseLastResponse
+	},
+	Transport: &http.Transport{DisableKeepAlives: true},
+}
+
+type response struct {
+	code   int
+	header http.Header
+	body   string
+}
+
+func do(t *testing.T, method, url string) response {
+	t.Helper()
+	req, err := http.NewRequest(method, url, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	resp, err := client.Do(req)
+	if err != nil {
+		t.Fatalf("%s %s: %v", method, url, err)
+	}
+	defer resp.Body.Close()
+	body, err := io.ReadAll(resp.Body)
+	if err != nil {
+		t.Fatalf("%s %s: read body: %v", method, url, err)
+	}
+	return response{code: resp.StatusCode, header: resp.Header, body: string(body)}
+}
+
+func get(t *testing.T, url string) response { t.Helper(); return do(t, http.MethodGet, url) }
+
+func counter(t *testing.T, reg *prometheus.Registry, name, code string) float64 {
+	t.Helper()
+	mfs, err := reg.Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, mf := range mfs {
+		if mf.GetName() != name {
+			continue
+		}
+		for _, m := range mf.GetMetric() {
+			for _, l := range m.GetLabel() {
+				if l.GetName() == "code" && l.GetValue() == code {
+					return m.GetCounter().GetValue()
+				}
+			}
+		}
+	}
+	return 0
+}
+
+func checkJSONHeaders(t *testing.T, r response) {
+	t.Helper()
+	if got := r.header.Values("Content-Type"); len(got) != 1 || got[0] != "application/json" {
+		t.Errorf("Content-Type = %q, want application/json", got)
+	}
+	if got := r.header.Values("X-Content-Type-Options"); len(got) != 1 || got[0] != "nosniff" {
+		t.Errorf("X-Content-Type-Options = %q, want nosniff", got)
+	}
+}
+
+func TestHealthzAndLivez(t *testing.T) {
+	const timeout = 2 * time.Minute
+	ago := func(d time.Duration) time.Time { return testNow.Add(-d) }
+	tests := []struct {
+		name        string
+		families    []bus.Family
+		reports     map[string]bus.Report
+		healthzCode int
+		livezCode   int
+		healthz     string // exact /healthz body
+		livez       string // exact /livez body
+	}{{
+		name:        "starting",
+		healthzCode: http.StatusOK,
+		livezCode:   http.StatusOK,
+		healthz:     `{"lastUpdated":"2025-01-02T03:10:00Z","currentTime":"2025-01-02T03:10:00Z","nodeEligible":true,"healthy":true,"status":{"IPv4":{"lastUpdated":"2025-01-02T03:00:00Z","healthy":true}}}`,
+		livez:       `{"lastUpdated":"2025-01-02T03:10:00Z","currentTime":"2025-01-02T03:10:00Z","healthy":true,"status":{"IPv4":{"lastUpdated":"2025-01-02T03:00:00Z","healthy":true}}}`,
+	}, {
+		name: "synced",
+		reports: map[string]bus.Report{
+			"commit-ipv4":   {LastSync: ago(30 * time.Second)},
+			"coalesce-ipv4": {LastQueued: ago(31 * time.Second)},
+		},
+		healthzCode: http.StatusOK,
+		livezCode:   http.StatusOK,
+		healthz:     `{"lastUpdated":"2025-01-02T03:10:00Z","currentTime":"2025-01-02T03:10:00Z","nodeEligible":true,"healthy":true,"status":{"IPv4":{"lastUpdated":"2025-01-02T03:09:30Z","healthy":true}}}`,
+		livez:       `{"lastUpdated":"2025-01-02T03:10:00Z","currentTime":"2025-01-02T03:10:00Z","healthy":true,"status":{"IPv4":{"lastUpdated":"2025-01-02T03:09:30Z","healthy":true}}}`,
+	}, {
+		name: "pending too long",
+		reports: map[string]bus.Report{
+			"commit-ipv4":   {LastSync: ago(5 * time.Minute)},
+			"coalesce-ipv4": {PendingSince: ago(timeout + time.Second)},
+		},
+		healthzCode: http.StatusServiceUnavailable,
+		livezCode:   http.StatusServiceUnavailable,
+		healthz:     `{"lastUpdated":"2025-01-02T03:05:00Z","currentTime":"2025-01-02T03:10:00Z","nodeEligible":true,"healthy":false,"status":{"IPv4":{"lastUpdated":"2025-01-02T03:05:00Z","healthy":false}}}`,
+		livez:       `{"lastUpdated":"2025-01-02T03:05:00Z","currentTime":"2025-01-02T03:10:00Z","healthy":false,"status":{"IPv4":{"lastUpdated":"2025-01-02T03:05:00Z","healthy":false}}}`,
+	}, {
+		name: "node deleting",
+		reports: map[string]bus.Report{
+			"watch":       {Detail: "node-deleting"},
+			"commit-ipv4": {LastSync: ago(30 * time.Second)},
+		},
+		healthzCode: http.StatusServiceUnavailable,
+		livezCode:   http.StatusOK,
+		healthz:     `{"lastUpdated":"2025-01-02T03:09:30Z","currentTime":"2025-01-02T03:10:00Z","nodeEligible":false,"healthy":true,"status":{"IPv4":{"lastUpdated":"2025-01-02T03:09:30Z","healthy":true}}}`,
+		livez:       `{"lastUpdated":"2025-01-02T03:10:00Z","currentTime":"2025-01-02T03:10:00Z","healthy":true,"status":{"IPv4":{"lastUpdated":"2025-01-02T03:09:30Z","healthy":true}}}`,
+	}, {
+		name:     "dual-stack, IPv6 late",
+		families: []bus.Family{bus.IPv4, bus.IPv6},
+		reports: map[string]bus.Report{
+			"commit-ipv4":   {LastSync: ago(30 * time.Second)},
+			"commit-ipv6":   {LastSync: ago(5 * time.Minute)},
+			"coalesce-ipv6": {PendingSince: ago(4 * time.Minute)},
+		},
+		healthzCode: http.StatusServiceUnavailable,
+		livezCode:   http.StatusServiceUnavailable,
+		healthz:     `{"lastUpdated":"2025-01-02T03:09:30Z","currentTime":"2025-01-02T03:10:00Z","nodeEligible":true,"healthy":false,"status":{"IPv4":{"lastUpdated":"2025-01-02T03:09:30Z","healthy":true},"IPv6":{"lastUpdated":"2025-01-02T03:05:00Z","healthy":false}}}`,
+		livez:       `{"lastUpdated":"2025-01-02T03:09:30Z","currentTime":"2025-01-02T03:10:00Z","healthy":false,"status":{"IPv4":{"lastUpdated":"2025-01-02T03:09:30Z","healthy":true},"IPv6":{"lastUpdated":"2025-01-02T03:05:00Z","healthy":false}}}`,
+	}}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			hs := newHarness(t, Config{HealthzAddr: "127.0.0.1:0", SyncPeriod: time.Minute, Families: tt.families}, nil)
+			for name, r := range tt.reports {
+				hs.board.Publish(name, r)
+			}
+			hs.run(t)
+			base := "http://" + hs.addr(t, healthzListener)
+
+			r := get(t, base+"/healthz")
+			if r.code != tt.healthzCode {
+				t.Errorf("/healthz code = %d, want %d", r.code, tt.healthzCode)
+			}
+			checkJSONHeaders(t, r)
+			if r.body != tt.healthz {
+				t.Errorf("/healthz body:\n got %s\nwant %s", r.body, tt.healthz)
+			}
+			if got := counter(t, hs.reg, "kubeproxy_proxy_healthz_total", "200"); got != b2f(tt.healthzCode == 200) {
+				t.Errorf("healthz_total{code=200} = %v", got)
+			}
+			if got := counter(t, hs.reg, "kubeproxy_proxy_healthz_total", "503"); got != b2f(tt.healthzCode == 503) {
+				t.Errorf("healthz_total{code=503} = %v", got)
+			}
+
+			r = get(t, base+"/livez")
+			if r.code != tt.livezCode {
+				t.Errorf("/livez code = %d, want %d", r.code, tt.livezCode)
+			}
+			checkJSONHeaders(t, r)
+			if r.body != tt.livez {
+				t.Errorf("/livez body:\n got %s\nwant %s", r.body, tt.livez)
+			}
+			if got := counter(t, hs.reg, "kubeproxy_proxy_livez_total", "200"); got != b2f(tt.livezCode == 200) {
+				t.Errorf("livez_total{code=200} = %v", got)
+			}
+			if got := counter(t, hs.reg, "kubeproxy_proxy_livez_total", "503"); got != b2f(tt.livezCode == 503) {
+				t.Errorf("livez_total{code=503} = %v", got)
+			}
+
+			// Any method, as kube-proxy; other paths are not found.
+			if r := do(t, http.MethodHead, base+"/healthz"); r.code != tt.healthzCode {
+				t.Errorf("HEAD /healthz code = %d, want %d", r.code, tt.healthzCode)
+			}
+			if r := get(t, base+"/metrics"); r.code != http.StatusNotFound {
+				t.Errorf("/metrics on the healthz listener: code %d, want 404", r.code)
+			}
+		})
+	}
+}
+
+func b2f(b bool) float64 {
+	if b {
+		return 1
+	}
+	return 0
+}
+
+func TestHealthzFollowsBoard(t *testing.T) {
+	hs := newHarness(t, Config{HealthzAddr: "127.0.0.1:0", SyncPeriod: time.Minute}, nil)
+	hs.run(t)
+	url := "http://" + hs.addr(t, healthzListener) + "/healthz"
+	if r := get(t, url); r.code != http.StatusOK {
+		t.Fatalf("starting: code %d", r.code)
+	}
+	hs.board.Publish("coalesce-ipv4", bus.Report{PendingSince: testNow.Add(-3 * time.Minute)})
+	if r := get(t, url); r.code != http.StatusServiceUnavailable {
+		t.Fatalf("pending too long: code %d", r.code)
+	}
+	hs.board.Publish("coalesce-ipv4", bus.Report{})
+	hs.board.Publish("commit-ipv4", bus.Report{LastSync: testNow.Add(-time.Second)})
+	if r := get(t, url); r.code != http.StatusOK {
+		t.Fatalf("synced again: code %d", r.code)
+	}
+	hs.board.Update("watch", func(r *bus.Report) { r.Detail = "node-deleting" })
+	if r := get(t, url); r.code != http.StatusServiceUnavailable {
+		t.Fatalf("node deleting: code %d", r.code)
+	}
+	if got := counter(t, hs.reg, "kubeproxy_proxy_healthz_total", "200"); got != 2 {
+		t.Errorf("healthz_total{code=200} = %v, want 2", got)
+	}
+	if got := counter(t, hs.reg, "kubeproxy_proxy_healthz_total", "503"); got != 2 {
+		t.Errorf("healthz_total{code=503} = %v, want 2", got)
+	}
+}
+
+type fakeStages struct{ calls chan string }
+
+func (f fakeStages) ServeHTTP(w http.ResponseWriter, r *http.Request) {
+	select {
+	case f.calls <- r.Method + " " + r.URL.Path:
+	default:
+	}
+	w.Header().Set("Content-Type", "application/json")
+	_, _ = io.WriteString(w, `[{"name":"watch"}]`)
+}
+
+func TestMetricsListener(t *testing.T) {
+	stages := fakeStages{calls: make(chan string, 10)}
+	hs := newHarness(t, Config{
+		MetricsAddr: "127.0.0.1:0",
+		Configz:     map[string]any{"mode": "iptables", "syncPeriod": "30s"},
+	}, stages)
+	hs.metrics.LastSync.Set(1234)
+	hs.run(t)
+	base := "http://" + hs.addr(t, metricsListener)
+
+	r := get(t, base+"/proxyMode")
+	if r.code != http.StatusOK || r.body != "iptables" {
+		t.Errorf("/proxyMode = %d %q, want 200 iptables", r.code, r.body)
+	}
+	if ct := r.header.Get("Content-Type"); ct != "text/plain; charset=utf-8" {
+		t.Errorf("/proxyMode Content-Type = %q", ct)
+	}
+	if v := r.header.Get("X-Content-Type-Options"); v != "nosniff" {
+		t.Errorf("/proxyMode X-Content-Type-Options = %q", v)
+	}
+
+	r = get(t, base+"/metrics")
+	if r.code != http.StatusOK {
+		t.Errorf("/metrics code %d", r.code)
+	}
+	if !strings.Contains(r.body, "kubeproxy_sync_proxy_rules_last_timestamp_seconds 1234") {
+		t.Errorf("/metrics lacks the registered gauge:\n%s", r.body)
+	}
+
+	r = get(t, base+"/configz")
+	if r.code != http.StatusOK {
+		t.Errorf("/configz code %d", r.code)
+	}
+	checkJSONHeaders(t, r)
+	if want := `{"kubeproxy.config.k8s.io":{"mode":"iptables","syncPeriod":"30s"}}`; r.body != want {
+		t.Errorf("/configz body = %s, want %s", r.body, want)
+	}
+
+	r = get(t, base+"/healthz")
+	if r.code != http.StatusOK || r.body != "ok" {
+		t.Errorf("/healthz = %d %q, want 200 ok", r.code, r.body)
+	}
+	if r := get(t, base+"/healthz?verbose"); r.body != "[+]ping ok\nhealthz check passed\n" {
+		t.Errorf("/healthz?verbose = %q", r.body)
+	}
+	if r := get(t, base+"/healthz/ping"); r.code != http.StatusOK || r.body != "ok" {
+		t.Errorf("/healthz/ping = %d %q", r.code, r.body)
+	}
+
+	// Debug disabled: neither pprof nor the stages handler.
+	for _, path := range []string{"/debug/pprof/", "/debug/pprof/goroutine", "/debug/pprof/profile", "/debug/stages"} {
+		if r := get(t, base+path); r.code != http.StatusNotFound {
+			t.Errorf("%s without EnableDebug: code %d, want 404", path, r.code)
+		}
+	}
+	select {
+	case c := <-stages.calls:
+		t.Errorf("stages handler called without EnableDebug: %s", c)
+	default:
+	}
+	if r := get(t, base+"/livez"); r.code != http.StatusNotFound {
+		t.Errorf("/livez on the metrics listener: code %d, want 404", r.code)
+	}
+}
+
+func TestConfigzEmpty(t *testing.T) {
+	hs := newHarness(t, Config{MetricsAddr: "127.0.0.1:0"}, nil)
+	hs.run(t)
+	r := get(t, "http://"+hs.addr(t, metricsListener)+"/configz")
+	if r.code != http.StatusOK || r.body != "{}" {
+		t.Errorf("/configz = %d %s, want 200 {}", r.code, r.body)
+	}
+}
+
+func TestDebugEndpoints(t *testing.T) {
+	stages := fakeStages{calls: make(chan string, 10)}
+	hs := newHarness(t, Config{MetricsAddr: "127.0.0.1:0", EnableDebug: true}, stages)
+	hs.run(t)
+	base := "http://" + hs.addr(t, metricsListener)
+
+	r := get(t, base+"/debug/pprof/")
+	if r.code != http.StatusOK || !strings.Contains(r.body, "goroutine") {
+		t.Errorf("/debug/pprof/ = %d, body lacks goroutine:\n%s", r.code, r.body)
+	}
+	r = get(t, base+"/debug/pprof/goroutine?debug=1")
+	if r.code != http.StatusOK || !strings.Contains(r.body, "goroutine profile:") {
+		t.Errorf("/debug/pprof/goroutine?debug=1 = %d %.200q", r.code, r.body)
+	}
+	if r := get(t, base+"/debug/pprof/symbol"); r.code != http.StatusOK {
+		t.Errorf("/debug/pprof/symbol code %d", r.code)
+	}
+	r = get(t, base+"/debug/pprof")
+	if r.code != http.StatusFound || r.header.Get("Location") != "/debug/pprof/" {
+		t.Errorf("/debug/pprof = %d Location %q, want 302 /debug/pprof/", r.code, r.header.Get("Location"))
+	}
+
+	r = get(t, base+"/debug/stages")
+	if r.code != http.StatusOK || r.body != `[{"name":"watch"}]` {
+		t.Errorf("/debug/stages = %d %s", r.code, r.body)
+	}
+	if c := <-stages.calls; c != "GET /debug/stages" {
+		t.Errorf("stages handler saw %q", c)
+	}
+	if r := do(t, http.MethodPost, base+"/debug/stages/commit-ipv4/kill"); r.code != http.StatusOK {
+		t.Errorf("POST /debug/stages/commit-ipv4/kill code %d", r.code)
+	}
+	if c := <-stages.calls; c != "POST /debug/stages/commit-ipv4/kill" {
+		t.Errorf("stages handler saw %q", c)
+	}
+}
+
+func TestRunReleasesPorts(t *testing.T) {
+	port := freePort(t)
+	key := bus.ServiceKey{Namespace: "ns", Name: "svc"}
+	hs := newHarness(t, Config{
+		HealthzAddr: "127.0.0.1:0",
+		MetricsAddr: "127.0.0.1:0",
+		EnableDebug: true,
+		NodeAddrs:   loopback,
+	}, nil)
+	hs.checks.Put(bus.HealthCheckUpdates{bus.IPv4: {Family: bus.IPv4, Services: map[bus.ServiceKey]bus.HealthCheck{
+		key: {NodePort: port, LocalEndpoints: 1},
+	}}})
+	stop := hs.run(t)
+	healthz, metrics := hs.addr(t, healthzListener), hs.addr(t, metricsListener)
+	hcURL := "http://" + hcAddr(port) + "/"
+	eventually(t, func() bool { _, err := tryGet(hcURL); return err == nil }, "healthcheck port open")
+	if r := get(t, "http://"+healthz+"/healthz"); r.code != http.StatusOK {
+		t.Fatalf("/healthz code %d", r.code)
+	}
+
+	if err := stop(); err != nil {
+		t.Fatalf("Run after cancel = %v, want nil", err)
+	}
+	if a := hs.h.boundAddr(healthzListener); a != nil {
+		t.Errorf("healthz still reported bound at %v", a)
+	}
+	for _, addr := range []string{healthz, metrics, hcAddr(port)} {
+		ln, err := net.Listen("tcp", addr)
+		if err != nil {
+			t.Errorf("rebind %s after Run returned: %v", addr, err)
+			continue
+		}
+		ln.Close()
+	}
+
+	// A restarted Run serves again, reopening the healthcheck servers from what the
+	// first Run took, though the mailbox is now empty.
+	hs.h.cfg.HealthzAddr, hs.h.cfg.MetricsAddr = healthz, metrics
+	stop = hs.run(t)
+	if got := hs.addr(t, healthzListener); got != healthz {
+		t.Errorf("restarted healthz on %s, want %s", got, healthz)
+	}
+	hs.addr(t, metricsListener)
+	var r response
+	eventually(t, func() bool { var err error; r, err = tryGet(hcURL); return err == nil }, "healthcheck reopened")
+	if r.code != http.StatusOK {
+		t.Errorf("reopened healthcheck code %d", r.code)
+	}
+	if err := stop(); err != nil {
+		t.Fatalf("second Run = %v", err)
+	}
+}
+
+func TestRunListenError(t *testing.T) {
+	busy, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer busy.Close()
+	// healthz binds first, so Run must release it when metrics fails.
+	healthz := hcAddr(freePort(t))
+	hs := newHarness(t, Config{HealthzAddr: healthz, MetricsAddr: busy.Addr().String()}, nil)
+	done := make(chan error, 1)
+	go func() { done <- hs.h.Run(context.Background()) }()
+	select {
+	case err := <-done:
+		if err == nil {
+			t.Fatal("Run = nil with the metrics port taken")
+		}
+		var opErr *net.OpError
+		if !errors.As(err, &opErr) {
+			t.Errorf("Run = %v, want a wrapped *net.OpError", err)
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("Run did not fail with the metrics port taken")
+	}
+	ln, err := net.Listen("tcp", healthz)
+	if err != nil {
+		t.Fatalf("healthz port not released: %v", err)
+	}
+	ln.Close()
+}

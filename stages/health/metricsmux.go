@@ -1,0 +1,110 @@
+package health
+
+import (
+	"bytes"
+	"encoding/json"
+	"fmt"
+	"net/http"
+	"net/http/pprof"
+	"sort"
+	"strings"
+
+	"github.com/prometheus/client_golang/prometheus/promhttp"
+)
+
+// proxyMode is what /proxyMode answers: kpipe stands in for kube-proxy's iptables mode.
+const proxyMode = "iptables"
+
+// configzKey is the key kube-proxy's configuration is registered under in /configz.
+const configzKey = "kubeproxy.config.k8s.io"
+
+// metricsMux serves the metrics listener as kube-proxy's serveMetrics does: /healthz
+// (the ping-only apiserver healthz), /proxyMode, /metrics, /configz and, when debug
+// is enabled, the profiling handlers — plus kpipe's /debug/stages.
+func (h *Health) metricsMux() http.Handler {
+	mux := http.NewServeMux()
+	mux.HandleFunc("/healthz", servePingHealthz)
+	mux.HandleFunc("/healthz/ping", func(w http.ResponseWriter, _ *http.Request) { fmt.Fprint(w, "ok") })
+	mux.HandleFunc("/proxyMode", func(w http.ResponseWriter, _ *http.Request) {
+		w.Header().Set("Content-Type", "text/plain; charset=utf-8")
+		w.Header().Set("X-Content-Type-Options", "nosniff")
+		fmt.Fprint(w, proxyMode)
+	})
+	if h.gatherer != nil {
+		mux.Handle("/metrics", promhttp.HandlerFor(h.gatherer, promhttp.HandlerOpts{
+			ErrorLog: slogPromLogger{h}, ErrorHandling: promhttp.HTTPErrorOnError}))
+	}
+	mux.HandleFunc("/configz", h.serveConfigz)
+	if h.cfg.EnableDebug {
+		// Registered on this mux only: importing net/http/pprof also registers on
+		// http.DefaultServeMux, which kpipe never serves.
+		mux.HandleFunc("/debug/pprof", func(w http.ResponseWriter, r *http.Request) {
+			http.Redirect(w, r, "/debug/pprof/", http.StatusFound)
+		})
+		mux.HandleFunc("/debug/pprof/", pprof.Index)
+		mux.HandleFunc("/debug/pprof/profile", pprof.Profile)
+		mux.HandleFunc("/debug/pprof/symbol", pprof.Symbol)
+		mux.HandleFunc("/debug/pprof/trace", pprof.Trace)
+		if h.stages != nil {
+			mux.Handle("/debug/stages", h.stages)
+			mux.Handle("/debug/stages/", h.stages)
+		}
+	}
+	return mux
+}
+
+// servePingHealthz is k8s.io/apiserver's healthz handler with only the ping check,
+// which is what kube-proxy installs on its metrics listener.
+func servePingHealthz(w http.ResponseWriter, r *http.Request) {
+	var out bytes.Buffer
+	excluded := map[string]bool{}
+	for _, name := range r.URL.Query()["exclude"] {
+		excluded[name] = true
+	}
+	if excluded["ping"] {
+		delete(excluded, "ping")
+		out.WriteString("[+]ping excluded: ok\n")
+	} else {
+		out.WriteString("[+]ping ok\n")
+	}
+	if len(excluded) > 0 {
+		names := make([]string, 0, len(excluded))
+		for name := range excluded {
+			names = append(names, fmt.Sprintf("%q", name))
+		}
+		sort.Strings(names)
+		fmt.Fprintf(&out, "warn: some health checks cannot be excluded: no matches for %s\n", strings.Join(names, ","))
+	}
+	w.Header().Set("Content-Type", "text/plain; charset=utf-8")
+	w.Header().Set("X-Content-Type-Options", "nosniff")
+	if _, verbose := r.URL.Query()["verbose"]; !verbose {
+		fmt.Fprint(w, "ok")
+		return
+	}
+	_, _ = out.WriteTo(w)
+	fmt.Fprint(w, "healthz check passed\n")
+}
+
+// serveConfigz answers as component-base's configz: a JSON object of the registered
+// configurations by name.
+func (h *Health) serveConfigz(w http.ResponseWriter, _ *http.Request) {
+	configs := map[string]any{}
+	if h.cfg.Configz != nil {
+		configs[configzKey] = h.cfg.Configz
+	}
+	b, err := json.Marshal(configs)
+	if err != nil {
+		http.Error(w, fmt.Sprintf("error marshaling json: %v", err), http.StatusInternalServerError)
+		return
+	}
+	w.Header().Set("Content-Type", "application/json")
+	w.Header().Set("X-Content-Type-Options", "nosniff")
+	_, _ = w.Write(b)
+}
+
+// slogPromLogger hands promhttp's error log to slog.
+type slogPromLogger struct{ h *Health }
+
+func (l slogPromLogger) Println(v ...any) {
+	l.h.log.Error("serve metrics", "err", strings.TrimSuffix(fmt.Sprintln(v...), "\n"))
+}

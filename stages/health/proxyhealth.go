@@ -1,0 +1,129 @@
+package health
+
+import (
+	"encoding/json"
+	"net/http"
+	"strings"
+	"time"
+
+	"github.com/kpipe/kpipe/bus"
+)
+
+// Report names and details the health decision reads from the board.
+const (
+	watchStage        = "watch"
+	nodeDeletingState = "node-deleting"
+)
+
+func coalesceStage(f bus.Family) string { return "coalesce-" + strings.ToLower(f.String()) }
+func commitStage(f bus.Family) string   { return "commit-" + strings.ToLower(f.String()) }
+
+// proxierHealth is one family's health, as kube-proxy's ProxierHealth.
+type proxierHealth struct {
+	LastUpdated time.Time `json:"lastUpdated"`
+	Healthy     bool      `json:"healthy"`
+}
+
+// proxyHealth is the body of /healthz and /livez, field for field kube-proxy's
+// ProxyHealth (pkg/proxy/healthcheck), so it marshals to the same JSON.
+type proxyHealth struct {
+	LastUpdated  time.Time                `json:"lastUpdated"`
+	CurrentTime  time.Time                `json:"currentTime"`
+	NodeEligible *bool                    `json:"nodeEligible,omitempty"`
+	Healthy      bool                     `json:"healthy"`
+	Status       map[string]proxierHealth `json:"status,omitempty"` // by "IPv4" / "IPv6"
+}
+
+// decide is kube-proxy's ProxyHealthServer.Health over the board's reports: a family
+// is unhealthy when a change has been pending (coalesce's PendingSince) for timeout
+// or longer; a family that has never committed counts as updated at started (kube-
+// proxy marks each proxier updated when its sync loop starts). LastUpdated is the
+// newest over the families. It ignores the node (see nodeEligible).
+func decide(reports map[string]bus.Report, families []bus.Family, started, now time.Time, timeout time.Duration) proxyHealth {
+	ph := proxyHealth{CurrentTime: now, Healthy: true, Status: make(map[string]proxierHealth, len(families))}
+	for _, f := range families {
+		last := reports[commitStage(f)].LastSync
+		if last.IsZero() {
+			last = started
+		}
+		if last.After(ph.LastUpdated) {
+			ph.LastUpdated = last
+		}
+		healthy := true
+		if pending := reports[coalesceStage(f)].PendingSince; !pending.IsZero() && now.Sub(pending) >= timeout {
+			healthy = false
+			ph.Healthy = false
+		}
+		ph.Status[f.String()] = proxierHealth{LastUpdated: last, Healthy: healthy}
+	}
+	return ph
+}
+
+// nodeEligible is false once watch reports this node's deletion (kube-proxy's
+// nodeEligible); true while starting, before watch has seen the node.
+func nodeEligible(reports map[string]bus.Report) bool {
+	return reports[watchStage].Detail != nodeDeletingState
+}
+
+// proxyHealth is the current health, without the node check.
+func (h *Health) proxyHealth() proxyHealth {
+	return decide(h.board.Read(), h.families, h.started, h.now(), h.timeout)
+}
+
+// healthzMux serves the healthz listener: /healthz and /livez, any method.
+func (h *Health) healthzMux() http.Handler {
+	mux := http.NewServeMux()
+	mux.HandleFunc("/healthz", h.serveHealthz)
+	mux.HandleFunc("/livez", h.serveLivez)
+	return mux
+}
+
+func (h *Health) serveHealthz(w http.ResponseWriter, _ *http.Request) {
+	reports := h.board.Read()
+	now := h.now()
+	ph := decide(reports, h.families, h.started, now, h.timeout)
+	eligible := nodeEligible(reports)
+	ph.NodeEligible = &eligible
+	h.answer(w, ph, ph.Healthy && eligible, now, "healthz")
+}
+
+func (h *Health) serveLivez(w http.ResponseWriter, _ *http.Request) {
+	now := h.now()
+	ph := decide(h.board.Read(), h.families, h.started, now, h.timeout)
+	h.answer(w, ph, ph.Healthy, now, "livez")
+}
+
+func (h *Health) answer(w http.ResponseWriter, ph proxyHealth, healthy bool, now time.Time, which string) {
+	w.Header().Set("Content-Type", "application/json")
+	w.Header().Set("X-Content-Type-Options", "nosniff")
+	code := http.StatusServiceUnavailable
+	if healthy {
+		code = http.StatusOK
+		// As kube-proxy: a healthy answer reports lastUpdated as now, the meaning it
+		// had in older releases; the metrics carry the real sync times.
+		ph.LastUpdated = now
+	}
+	h.count(which, code)
+	w.WriteHeader(code)
+	out, err := json.Marshal(ph)
+	if err != nil { // cannot happen: times within range, plain types
+		h.log.Error("marshal health", "err", err)
+		return
+	}
+	_, _ = w.Write(out)
+}
+
+func (h *Health) count(which string, code int) {
+	if h.metrics == nil {
+		return
+	}
+	label := "503"
+	if code == http.StatusOK {
+		label = "200"
+	}
+	if which == "healthz" {
+		h.metrics.HealthzTotal.WithLabelValues(label).Inc()
+	} else {
+		h.metrics.LivezTotal.WithLabelValues(label).Inc()
+	}
+}

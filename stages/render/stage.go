@@ -1,0 +1,41 @@
+package render
+
+import (
+	"context"
+	"log/slog"
+	"time"
+
+	"github.com/kpipe/kpipe/bus"
+)
+
+// Stage renders every snapshot it is handed into a plan for commit.
+type Stage struct {
+	cfg    Config
+	in     *bus.Mailbox[*bus.Snapshot]
+	out    *bus.Mailbox[*bus.Plan]
+	resync *bus.Flag
+	log    *slog.Logger
+}
+
+// NewStage makes the render stage of one family.
+func NewStage(cfg Config, in *bus.Mailbox[*bus.Snapshot], out *bus.Mailbox[*bus.Plan], resync *bus.Flag, log *slog.Logger) *Stage {
+	return &Stage{cfg: cfg, in: in, out: out, resync: resync, log: log}
+}
+
+// Run renders until ctx ends.
+func (s *Stage) Run(ctx context.Context) error {
+	// A snapshot taken by a previous run that crashed is lost: ask for a new one.
+	s.resync.Raise()
+	for {
+		snap, err := s.in.Take(ctx)
+		if err != nil {
+			return nil
+		}
+		start := time.Now()
+		plan := Render(s.cfg, snap)
+		plan.Started = start
+		s.log.Debug("rendered", "generation", plan.Generation, "full", plan.Full, "took", time.Since(start),
+			"nat_chains", len(plan.Tables[1].Declare), "filter_chains", len(plan.Tables[0].Declare))
+		s.out.Put(plan)
+	}
+}

@@ -1,0 +1,247 @@
+package watch
+
+import (
+	"fmt"
+	"net/netip"
+	"strings"
+
+	corev1 "k8s.io/api/core/v1"
+	discoveryv1 "k8s.io/api/discovery/v1"
+
+	"github.com/kpipe/kpipe/bus"
+)
+
+// defaultAffinitySeconds is the API's default sessionAffinityConfig timeout (3 hours).
+const defaultAffinitySeconds = 10800
+
+// sourceRangesAnnotation is the older way to give loadBalancerSourceRanges.
+const sourceRangesAnnotation = "service.beta.kubernetes.io/load-balancer-source-ranges"
+
+// skip records one invalid part of an object: what, and why.
+type skip struct{ kind, reason, detail string }
+
+// Converter turns API objects into bus values. Invalid parts are dropped and
+// reported, so one bad field never stops the rest of the object or other objects.
+type Converter struct {
+	NodeName string
+}
+
+// Service converts a v1.Service. It returns nil for services a node proxy ignores
+// (ExternalName, headless, no valid cluster IP) and a skip for every dropped part.
+func (c Converter) Service(s *corev1.Service) (*bus.Service, []skip) {
+	var skips []skip
+	bad := func(reason, detail string) { skips = append(skips, skip{"Service", reason, detail}) }
+	if s.Spec.Type == corev1.ServiceTypeExternalName || s.Spec.ClusterIP == corev1.ClusterIPNone || s.Spec.ClusterIP == "" {
+		return nil, nil
+	}
+	out := &bus.Service{ServiceKey: bus.ServiceKey{Namespace: s.Namespace, Name: s.Name}}
+	clusterIPs := s.Spec.ClusterIPs
+	if len(clusterIPs) == 0 {
+		clusterIPs = []string{s.Spec.ClusterIP}
+	}
+	for _, ip := range clusterIPs {
+		if a, err := netip.ParseAddr(ip); err == nil {
+			out.ClusterIPs = append(out.ClusterIPs, a.Unmap())
+		} else {
+			bad("invalid-cluster-ip", fmt.Sprintf("clusterIP %q", ip))
+		}
+	}
+	if len(out.ClusterIPs) == 0 {
+		return nil, skips
+	}
+	for _, ip := range s.Spec.ExternalIPs {
+		if a, err := netip.ParseAddr(ip); err == nil {
+			out.ExternalIPs = append(out.ExternalIPs, a.Unmap())
+		} else {
+			bad("invalid-external-ip", fmt.Sprintf("externalIP %q", ip))
+		}
+	}
+	if s.Spec.Type == corev1.ServiceTypeLoadBalancer {
+		for _, ing := range s.Status.LoadBalancer.Ingress {
+			if ing.IP == "" || (ing.IPMode != nil && *ing.IPMode == corev1.LoadBalancerIPModeProxy) {
+				continue // a hostname, or a proxying load balancer that needs no VIP here
+			}
+			if a, err := netip.ParseAddr(ing.IP); err == nil {
+				out.LoadBalancerIPs = append(out.LoadBalancerIPs, a.Unmap())
+			} else {
+				bad("invalid-loadbalancer-ip", fmt.Sprintf("ingress IP %q", ing.IP))
+			}
+		}
+		ranges := s.Spec.LoadBalancerSourceRanges
+		if len(ranges) == 0 && s.Annotations[sourceRangesAnnotation] != "" {
+			ranges = strings.Split(s.Annotations[sourceRangesAnnotation], ",")
+		}
+		for _, r := range ranges {
+			if p, err := netip.ParsePrefix(strings.TrimSpace(r)); err == nil {
+				out.LoadBalancerSourceRanges = append(out.LoadBalancerSourceRanges, p.Masked())
+			} else {
+				bad("invalid-source-range", fmt.Sprintf("loadBalancerSourceRange %q", r))
+			}
+		}
+	}
+	externally := s.Spec.Type == corev1.ServiceTypeNodePort || s.Spec.Type == corev1.ServiceTypeLoadBalancer || len(s.Spec.ExternalIPs) > 0
+	out.ExternalPolicyLocal = externally && s.Spec.ExternalTrafficPolicy == corev1.ServiceExternalTrafficPolicyLocal
+	out.InternalPolicyLocal = s.Spec.InternalTrafficPolicy != nil && *s.Spec.InternalTrafficPolicy == corev1.ServiceInternalTrafficPolicyLocal
+	if out.ExternalPolicyLocal && s.Spec.Type == corev1.ServiceTypeLoadBalancer {
+		out.HealthCheckNodePort = s.Spec.HealthCheckNodePort
+	}
+	if s.Spec.SessionAffinity == corev1.ServiceAffinityClientIP {
+		out.AffinitySeconds = defaultAffinitySeconds
+		if cfg := s.Spec.SessionAffinityConfig; cfg != nil && cfg.ClientIP != nil && cfg.ClientIP.TimeoutSeconds != nil {
+			out.AffinitySeconds = *cfg.ClientIP.TimeoutSeconds
+		}
+	}
+	for _, p := range s.Spec.Ports {
+		proto, ok := protocol(p.Protocol)
+		switch {
+		case !ok:
+			bad("invalid-protocol", fmt.Sprintf("port %q protocol %q", p.Name, p.Protocol))
+			continue
+		case p.Port < 1 || p.Port > 65535:
+			bad("invalid-port", fmt.Sprintf("port %q number %d", p.Name, p.Port))
+			continue
+		case p.NodePort < 0 || p.NodePort > 65535:
+			bad("invalid-node-port", fmt.Sprintf("port %q nodePort %d", p.Name, p.NodePort))
+			continue
+		}
+		out.Ports = append(out.Ports, bus.Port{Name: p.Name, Protocol: proto, Port: p.Port, NodePort: p.NodePort})
+	}
+	return out, skips
+}
+
+func protocol(p corev1.Protocol) (bus.Protocol, bool) {
+	switch p {
+	case corev1.ProtocolTCP, "":
+		return bus.TCP, true
+	case corev1.ProtocolUDP:
+		return bus.UDP, true
+	case corev1.ProtocolSCTP:
+		return bus.SCTP, true
+	}
+	return "", false
+}
+
+// Slice converts an EndpointSlice. It returns nil for slices kpipe ignores (FQDN,
+// no service label) and a skip for every dropped part.
+func (c Converter) Slice(s *discoveryv1.EndpointSlice) (*bus.EndpointSlice, []skip) {
+	var skips []skip
+	bad := func(reason, detail string) { skips = append(skips, skip{"EndpointSlice", reason, detail}) }
+	var family bus.Family
+	switch s.AddressType {
+	case discoveryv1.AddressTypeIPv4:
+		family = bus.IPv4
+	case discoveryv1.AddressTypeIPv6:
+		family = bus.IPv6
+	default:
+		return nil, nil
+	}
+	svcName := s.Labels[discoveryv1.LabelServiceName]
+	if svcName == "" {
+		bad("no-service-name", "label "+discoveryv1.LabelServiceName+" missing")
+		return nil, skips
+	}
+	out := &bus.EndpointSlice{Service: bus.ServiceKey{Namespace: s.Namespace, Name: svcName}, Name: s.Name, Family: family}
+	for _, p := range s.Ports {
+		proto := corev1.ProtocolTCP
+		if p.Protocol != nil {
+			proto = *p.Protocol
+		}
+		bp, ok := protocol(proto)
+		if !ok || p.Port == nil || *p.Port < 1 || *p.Port > 65535 {
+			bad("invalid-port", fmt.Sprintf("port %v", describePort(p)))
+			continue
+		}
+		name := ""
+		if p.Name != nil {
+			name = *p.Name
+		}
+		out.Ports = append(out.Ports, bus.EndpointPort{Name: name, Protocol: bp, Port: *p.Port})
+	}
+	for _, e := range s.Endpoints {
+		if len(e.Addresses) == 0 {
+			bad("no-address", "endpoint without addresses")
+			continue
+		}
+		a, err := netip.ParseAddr(e.Addresses[0])
+		if err != nil {
+			bad("invalid-address", fmt.Sprintf("address %q", e.Addresses[0]))
+			continue
+		}
+		a = a.Unmap()
+		if bus.FamilyOf(a) != family {
+			bad("wrong-family", fmt.Sprintf("address %s in a %s slice", a, s.AddressType))
+			continue
+		}
+		ep := bus.Endpoint{
+			Addr:        a,
+			Ready:       e.Conditions.Ready == nil || *e.Conditions.Ready,
+			Terminating: e.Conditions.Terminating != nil && *e.Conditions.Terminating,
+		}
+		ep.Serving = ep.Ready
+		if e.Conditions.Serving != nil {
+			ep.Serving = *e.Conditions.Serving
+		}
+		if e.NodeName != nil {
+			ep.NodeName = *e.NodeName
+		}
+		if e.Zone != nil {
+			ep.Zone = *e.Zone
+		}
+		if e.Hints != nil {
+			for _, z := range e.Hints.ForZones {
+				ep.HintZones = append(ep.HintZones, z.Name)
+			}
+			for _, n := range e.Hints.ForNodes {
+				ep.HintNodes = append(ep.HintNodes, n.Name)
+			}
+		}
+		out.Items = append(out.Items, ep)
+	}
+	return out, skips
+}
+
+func describePort(p discoveryv1.EndpointPort) string {
+	var b strings.Builder
+	if p.Name != nil {
+		b.WriteString(*p.Name + " ")
+	}
+	if p.Port != nil {
+		fmt.Fprintf(&b, "%d", *p.Port)
+	} else {
+		b.WriteString("<none>")
+	}
+	if p.Protocol != nil {
+		b.WriteString("/" + string(*p.Protocol))
+	}
+	return b.String()
+}
+
+// Node converts this node's Node object.
+func (c Converter) Node(n *corev1.Node) *bus.Node {
+	out := &bus.Node{Name: n.Name, Zone: n.Labels[corev1.LabelTopologyZone], Deleting: n.DeletionTimestamp != nil}
+	for _, t := range n.Spec.Taints {
+		if t.Key == "ToBeDeletedByClusterAutoscaler" {
+			out.Deleting = true
+		}
+	}
+	for _, kind := range []corev1.NodeAddressType{corev1.NodeInternalIP, corev1.NodeExternalIP} {
+		for _, a := range n.Status.Addresses {
+			if a.Type != kind {
+				continue
+			}
+			if ip, err := netip.ParseAddr(a.Address); err == nil {
+				out.Addrs = append(out.Addrs, ip.Unmap())
+			}
+		}
+	}
+	cidrs := n.Spec.PodCIDRs
+	if len(cidrs) == 0 && n.Spec.PodCIDR != "" {
+		cidrs = []string{n.Spec.PodCIDR}
+	}
+	for _, c := range cidrs {
+		if p, err := netip.ParsePrefix(c); err == nil {
+			out.PodCIDRs = append(out.PodCIDRs, p.Masked())
+		}
+	}
+	return out
+}

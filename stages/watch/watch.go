@@ -1,0 +1,269 @@
+// Package watch turns the apiserver's Services, EndpointSlices and this node's Node
+// (and the host's addresses) into change events for coalesce.
+package watch
+
+import (
+	"context"
+	"fmt"
+	"log/slog"
+	"sync"
+	"time"
+
+	corev1 "k8s.io/api/core/v1"
+	discoveryv1 "k8s.io/api/discovery/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/client-go/informers"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/tools/cache"
+
+	"github.com/kpipe/kpipe/bus"
+	nf "github.com/kpipe/kpipe/netfilter"
+)
+
+// selector is kube-proxy's: services handled by another proxy, and headless
+// services' slices, are not ours.
+const selector = "!service.kubernetes.io/service-proxy-name,!service.kubernetes.io/headless"
+
+// Stage runs the informers and sends every change, and a full replay when coalesce
+// asks for one, on out.
+type Stage struct {
+	client     kubernetes.Interface
+	conv       Converter
+	out        chan<- bus.Change
+	replay     *bus.Flag
+	board      *bus.Board
+	metrics    *bus.Metrics
+	log        *slog.Logger
+	watchAddrs bool
+
+	// sendMu orders handler sends against replays: a replay is read from the informer
+	// caches and sent under it, so no older event can follow a newer replay.
+	sendMu sync.Mutex
+}
+
+// NewStage makes the watch stage. watchAddrs turns on the netlink address watch
+// (needed for --nodeport-addresses).
+func NewStage(client kubernetes.Interface, nodeName string, out chan<- bus.Change, replay *bus.Flag, board *bus.Board, metrics *bus.Metrics, log *slog.Logger, watchAddrs bool) *Stage {
+	return &Stage{client: client, conv: Converter{NodeName: nodeName}, out: out, replay: replay, board: board, metrics: metrics, log: log, watchAddrs: watchAddrs}
+}
+
+type informerSet struct {
+	services, slices, nodes cache.SharedIndexInformer
+}
+
+// Run watches until ctx ends.
+func (s *Stage) Run(ctx context.Context) error {
+	factory := informers.NewSharedInformerFactoryWithOptions(s.client, 0,
+		informers.WithTweakListOptions(func(o *metav1.ListOptions) { o.LabelSelector = selector }))
+	nodeFactory := informers.NewSharedInformerFactoryWithOptions(s.client, 0,
+		informers.WithTweakListOptions(func(o *metav1.ListOptions) { o.FieldSelector = "metadata.name=" + s.conv.NodeName }))
+	inf := informerSet{
+		services: factory.Core().V1().Services().Informer(),
+		slices:   factory.Discovery().V1().EndpointSlices().Informer(),
+		nodes:    nodeFactory.Core().V1().Nodes().Informer(),
+	}
+	synced := false // guarded by sendMu: events before the first replay are redundant
+	handler := func(toChange func(obj any, deleted bool) (bus.Change, bool)) cache.ResourceEventHandlerFuncs {
+		send := func(obj any, deleted bool) {
+			s.sendMu.Lock()
+			defer s.sendMu.Unlock()
+			if !synced {
+				return
+			}
+			if c, ok := toChange(obj, deleted); ok {
+				s.send(ctx, c)
+			}
+		}
+		return cache.ResourceEventHandlerFuncs{
+			AddFunc:    func(obj any) { send(obj, false) },
+			UpdateFunc: func(_, obj any) { send(obj, false) },
+			DeleteFunc: func(obj any) {
+				if t, ok := obj.(cache.DeletedFinalStateUnknown); ok {
+					obj = t.Obj
+				}
+				send(obj, true)
+			},
+		}
+	}
+	for _, reg := range []struct {
+		inf cache.SharedIndexInformer
+		fn  func(obj any, deleted bool) (bus.Change, bool)
+	}{{inf.services, s.serviceChange}, {inf.slices, s.sliceChange}, {inf.nodes, s.nodeChange}} {
+		if _, err := reg.inf.AddEventHandler(handler(reg.fn)); err != nil {
+			return fmt.Errorf("watch: add event handler: %w", err)
+		}
+	}
+	factory.Start(ctx.Done())
+	nodeFactory.Start(ctx.Done())
+	defer factory.Shutdown()
+	defer nodeFactory.Shutdown()
+
+	addrs, err := s.subscribeAddrs(ctx)
+	if err != nil {
+		return err
+	}
+	if !cache.WaitForCacheSync(ctx.Done(), inf.services.HasSynced, inf.slices.HasSynced, inf.nodes.HasSynced) {
+		return nil // ctx ended
+	}
+	s.log.Info("informer caches synced")
+	s.sendMu.Lock()
+	synced = true
+	s.sendMu.Unlock()
+	s.sendReplay(ctx, inf)
+	s.replay.Lower() // the replay just sent answers any request made before it
+	for {
+		select {
+		case <-ctx.Done():
+			return nil
+		case <-s.replay.C():
+			s.sendReplay(ctx, inf)
+		case _, ok := <-addrs:
+			if !ok {
+				return fmt.Errorf("watch: netlink address subscription closed")
+			}
+			s.sendAddrs(ctx)
+		}
+	}
+}
+
+func (s *Stage) subscribeAddrs(ctx context.Context) (<-chan struct{}, error) {
+	if !s.watchAddrs {
+		return nil, nil
+	}
+	updates, err := nf.SubscribeAddrs(ctx.Done())
+	if err != nil {
+		return nil, err
+	}
+	// Collapse bursts of updates into one signal.
+	signal := make(chan struct{}, 1)
+	go func() {
+		defer close(signal)
+		for range updates {
+			select {
+			case signal <- struct{}{}:
+			default:
+			}
+		}
+	}()
+	return signal, nil
+}
+
+func (s *Stage) sendAddrs(ctx context.Context) {
+	addrs, err := nf.LocalAddrs()
+	if err != nil {
+		s.log.Error("read local addresses", "err", err)
+		return
+	}
+	s.sendMu.Lock()
+	defer s.sendMu.Unlock()
+	s.send(ctx, bus.Change{Kind: bus.LocalAddrsChanged, Addrs: addrs})
+}
+
+// send blocks until coalesce takes the change or ctx ends.
+func (s *Stage) send(ctx context.Context, c bus.Change) {
+	select {
+	case s.out <- c:
+	case <-ctx.Done():
+	}
+}
+
+func (s *Stage) sendReplay(ctx context.Context, inf informerSet) {
+	s.sendMu.Lock()
+	defer s.sendMu.Unlock()
+	st := &bus.State{Services: map[bus.ServiceKey]*bus.Service{}, Slices: map[bus.ServiceKey]map[string]*bus.EndpointSlice{}}
+	for _, obj := range inf.services.GetStore().List() {
+		if svc := s.service(obj.(*corev1.Service)); svc != nil {
+			st.Services[svc.ServiceKey] = svc
+		}
+	}
+	for _, obj := range inf.slices.GetStore().List() {
+		if sl := s.slice(obj.(*discoveryv1.EndpointSlice)); sl != nil {
+			if st.Slices[sl.Service] == nil {
+				st.Slices[sl.Service] = map[string]*bus.EndpointSlice{}
+			}
+			st.Slices[sl.Service][sl.Name] = sl
+		}
+	}
+	for _, obj := range inf.nodes.GetStore().List() {
+		st.Node = s.node(obj.(*corev1.Node))
+	}
+	if s.watchAddrs {
+		if addrs, err := nf.LocalAddrs(); err == nil {
+			st.LocalAddrs = addrs
+		} else {
+			s.log.Error("read local addresses", "err", err)
+		}
+	}
+	s.log.Debug("replaying state", "services", len(st.Services), "slices", len(inf.slices.GetStore().ListKeys()))
+	s.send(ctx, bus.Change{Kind: bus.Replayed, Replay: st})
+}
+
+func (s *Stage) serviceChange(obj any, deleted bool) (bus.Change, bool) {
+	svc, ok := obj.(*corev1.Service)
+	if !ok {
+		return bus.Change{}, false
+	}
+	c := bus.Change{Kind: bus.ServiceChanged, Key: bus.ServiceKey{Namespace: svc.Namespace, Name: svc.Name}}
+	if !deleted {
+		c.Service = s.service(svc)
+	}
+	return c, true
+}
+
+func (s *Stage) sliceChange(obj any, deleted bool) (bus.Change, bool) {
+	sl, ok := obj.(*discoveryv1.EndpointSlice)
+	if !ok {
+		return bus.Change{}, false
+	}
+	name := sl.Labels[discoveryv1.LabelServiceName]
+	if name == "" {
+		s.reportSkips(sl.Namespace+"/"+sl.Name, []skip{{"EndpointSlice", "no-service-name", "label " + discoveryv1.LabelServiceName + " missing"}})
+		return bus.Change{}, false
+	}
+	c := bus.Change{Kind: bus.SliceChanged, Key: bus.ServiceKey{Namespace: sl.Namespace, Name: name}, SliceName: sl.Name}
+	if !deleted {
+		c.Slice = s.slice(sl)
+	}
+	return c, true
+}
+
+func (s *Stage) nodeChange(obj any, deleted bool) (bus.Change, bool) {
+	n, ok := obj.(*corev1.Node)
+	if !ok {
+		return bus.Change{}, false
+	}
+	node := s.node(n)
+	if deleted {
+		node.Deleting = true
+	}
+	return bus.Change{Kind: bus.NodeChanged, Node: node}, true
+}
+
+func (s *Stage) service(svc *corev1.Service) *bus.Service {
+	out, skips := s.conv.Service(svc)
+	s.reportSkips(svc.Namespace+"/"+svc.Name, skips)
+	return out
+}
+
+func (s *Stage) slice(sl *discoveryv1.EndpointSlice) *bus.EndpointSlice {
+	out, skips := s.conv.Slice(sl)
+	s.reportSkips(sl.Namespace+"/"+sl.Name, skips)
+	return out
+}
+
+func (s *Stage) node(n *corev1.Node) *bus.Node {
+	node := s.conv.Node(n)
+	detail := ""
+	if node.Deleting {
+		detail = "node-deleting"
+	}
+	s.board.Update("watch", func(r *bus.Report) { r.Detail = detail; r.LastQueued = time.Now() })
+	return node
+}
+
+func (s *Stage) reportSkips(object string, skips []skip) {
+	for _, sk := range skips {
+		s.metrics.Skipped.WithLabelValues(sk.kind, sk.reason).Inc()
+		s.log.Warn("skipping invalid part of object", "kind", sk.kind, "object", object, "reason", sk.reason, "detail", sk.detail)
+	}
+}
