@@ -296,13 +296,6 @@ func (r *renderer) writeRules(sp *servicePort) {
 	}
 	dport := []string{"--dport", strconv.Itoa(int(sp.port.Port))}
 
-	if usesClusterChain {
-		r.writeEndpoints(sp, sp.svcChain, eps.cluster)
-	}
-	if usesLocalChain {
-		r.writeEndpoints(sp, sp.svlChain, eps.local)
-	}
-
 	// Cluster IP.
 	cip := join(sp.proto, []string{"-d", hostCIDR(sp.clusterIP)}, dport)
 	if hasInternal {
@@ -317,6 +310,14 @@ func (r *renderer) writeRules(sp *servicePort) {
 		r.nat.add(nf.ChainServices, join(args, []string{"-j", internalChain})...)
 	} else {
 		r.filter.add(nf.ChainServices, join(comment(intComment), cip, []string{"-j", intTarget})...)
+	}
+
+	// The policy chains: after the masquerade rule above, so it runs before any DNAT.
+	if usesClusterChain {
+		r.writeEndpoints(sp, sp.svcChain, eps.cluster)
+	}
+	if usesLocalChain {
+		r.writeEndpoints(sp, sp.svlChain, eps.local)
 	}
 
 	// External IPs.
