@@ -16,28 +16,28 @@ import (
 
 // Options are kpipe's settings, named as kube-proxy names its flags.
 type Options struct {
-	Kubeconfig            string        `json:"kubeconfig"`
-	HostnameOverride      string        `json:"hostnameOverride"`
-	ClusterCIDR           string        `json:"clusterCIDR"`
-	ProxyMode             string        `json:"mode"`
-	HealthzBindAddress    string        `json:"healthzBindAddress"`
-	MetricsBindAddress    string        `json:"metricsBindAddress"`
-	EnableDebugHandlers   bool          `json:"enableProfiling"`
-	SyncPeriod            time.Duration `json:"syncPeriod"`
-	MinSyncPeriod         time.Duration `json:"minSyncPeriod"`
-	CanaryInterval        time.Duration `json:"canaryInterval"`
-	MasqueradeAll         bool          `json:"masqueradeAll"`
-	MasqueradeBit         int           `json:"masqueradeBit"`
-	DetectLocalMode       string        `json:"detectLocalMode"`
-	PodBridgeInterface    string        `json:"bridgeInterface"`
-	PodInterfaceprefix    string        `json:"interfaceNamePrefix"`
-	NodePortAddresses     []string      `json:"nodePortAddresses"`
-	LocalhostNodePorts    bool          `json:"localhostNodePorts"`
-	LogFormat             string        `json:"logFormat"`
-	LogLevel              string        `json:"logLevel"`
-	clusterCIDRs          []netip.Prefix
-	nodePortCIDRs         []netip.Prefix
-	nodePortPrimary       bool
+	Kubeconfig          string        `json:"kubeconfig"`
+	HostnameOverride    string        `json:"hostnameOverride"`
+	ClusterCIDR         string        `json:"clusterCIDR"`
+	ProxyMode           string        `json:"mode"`
+	HealthzBindAddress  string        `json:"healthzBindAddress"`
+	MetricsBindAddress  string        `json:"metricsBindAddress"`
+	EnableDebugHandlers bool          `json:"enableProfiling"`
+	SyncPeriod          time.Duration `json:"syncPeriod"`
+	MinSyncPeriod       time.Duration `json:"minSyncPeriod"`
+	CanaryInterval      time.Duration `json:"canaryInterval"`
+	MasqueradeAll       bool          `json:"masqueradeAll"`
+	MasqueradeBit       int           `json:"masqueradeBit"`
+	DetectLocalMode     string        `json:"detectLocalMode"`
+	PodBridgeInterface  string        `json:"bridgeInterface"`
+	PodInterfaceprefix  string        `json:"interfaceNamePrefix"`
+	NodePortAddresses   []string      `json:"nodePortAddresses"`
+	LocalhostNodePorts  bool          `json:"localhostNodePorts"`
+	LogFormat           string        `json:"logFormat"`
+	LogLevel            string        `json:"logLevel"`
+	clusterCIDRs        []netip.Prefix
+	nodePortCIDRs       []netip.Prefix
+	nodePortPrimary     bool
 }
 
 func defaultOptions() *Options {

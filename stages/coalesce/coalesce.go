@@ -65,10 +65,10 @@ type familyState struct {
 	Family
 	name      string
 	pending   map[bus.ServiceKey]pendingChange
-	dirty     bool      // something changed that is not yet in a snapshot
-	full      bool      // the next snapshot must be a full sync
-	inflight  uint64    // generation sent and not yet answered; 0: none
-	sentSeq   uint64    // change sequence number the in-flight snapshot includes
+	dirty     bool   // something changed that is not yet in a snapshot
+	full      bool   // the next snapshot must be a full sync
+	inflight  uint64 // generation sent and not yet answered; 0: none
+	sentSeq   uint64 // change sequence number the in-flight snapshot includes
 	committed *bus.Programmed
 	failures  int
 	retryAt   time.Time
