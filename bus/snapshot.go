@@ -40,17 +40,22 @@ type Plan struct {
 	NoLocalEndpoints map[string]int
 }
 
-// TablePayload is what render wants written to one table: the chains to (re)declare,
-// which iptables-restore --noflush empties before the rules refill them, the rules,
-// and the chains to delete. Commit assembles it into iptables-restore input.
+// TablePayload is what render wants written to one table: the chains to rewrite
+// (iptables-restore --noflush empties a declared chain before refilling it, and
+// leaves every other chain alone) and the chains to delete.
 type TablePayload struct {
-	Table   string   // "nat", "filter"
-	Declare []string // chains whose rules are replaced (and created if missing)
-	Rules   []byte   // "-A CHAIN ..." lines, and nothing else
-	Delete  []string // kpipe chains that are no longer used
+	Table  string  // "nat", "filter"
+	Chains []Chain // chains whose rules are replaced (and created if missing)
+	Delete []string
 	// RuleCount is the number of rules the table holds once applied (not only the
 	// rewritten ones), for kubeproxy_sync_proxy_rules_iptables_total.
 	RuleCount int
+}
+
+// Chain is one chain's complete rules, as "-A CHAIN ..." lines.
+type Chain struct {
+	Name  string
+	Rules []byte
 }
 
 // Programmed describes what a committed plan left in the kernel.

@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"math/rand/v2"
+	"net"
 	"strings"
 	"testing"
 	"time"
@@ -52,6 +53,50 @@ func TestClusterIPTCPFromPodAndNode(t *testing.T) {
 
 func TestClusterIPUDPFromPodAndNode(t *testing.T) {
 	reachFromPodAndNode(t, corev1.ProtocolUDP, udp(2*time.Second))
+}
+
+// A dual-stack service answers on its IPv6 ClusterIP too, from IPv6 endpoints.
+func TestClusterIPDualStack(t *testing.T) {
+	e := setup(t)
+	spec := testbed.Service(e.ns, "dual",
+		testbed.Port("tcp", corev1.ProtocolTCP, 80, testbed.EchoPort),
+		testbed.Port("udp", corev1.ProtocolUDP, 80, testbed.EchoPort))
+	policy := corev1.IPFamilyPolicyRequireDualStack
+	spec.Spec.IPFamilyPolicy = &policy
+	spec.Spec.IPFamilies = []corev1.IPFamily{corev1.IPv4Protocol, corev1.IPv6Protocol}
+	svc, err := tb.CreateService(e.ctx, spec)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(svc.Spec.ClusterIPs) != 2 {
+		t.Fatalf("dual-stack service got ClusterIPs %v", svc.Spec.ClusterIPs)
+	}
+	e.endpoints(svc, 1, 2)
+	if _, err := tb.SetEndpoints(e.ctx, svc, tb.ReadyEndpoints6(1, 2)); err != nil {
+		t.Fatal(err)
+	}
+	client := tb.Pod(clientPod)
+	for i, ip := range svc.Spec.ClusterIPs {
+		addr := net.JoinHostPort(ip, "80")
+		want := podIPs(1, 2)
+		self := client.IPv4
+		if i == 1 {
+			want = []string{tb.Pod(1).IPv6, tb.Pod(2).IPv6}
+			self = client.IPv6
+		}
+		for _, p := range []struct {
+			name string
+			d    dialer
+		}{{"TCP", tcp(2 * time.Second)}, {"UDP", udp(2 * time.Second)}} {
+			a := waitAnswer(t, p.d, client.NS, addr, 20*time.Second)
+			if a.SourceIP() != self {
+				t.Errorf("%s %s: endpoint saw source %s, want the pod's %s", p.name, addr, a.SeenSource, self)
+			}
+			seen := spread(t, p.d, client.NS, addr, 30)
+			t.Logf("%s %s: answers by endpoint %v", p.name, addr, seen)
+			requireExactly(t, seen, want)
+		}
+	}
 }
 
 func TestEndpointRemovedAndAdded(t *testing.T) {
@@ -135,7 +180,7 @@ func TestServiceDeletedRemovesChains(t *testing.T) {
 			out := e.iptablesSave(table)
 			var lines []string
 			for _, l := range strings.Split(out, "\n") {
-				if strings.Contains(l, mention) || strings.Contains(l, svc.Spec.ClusterIP) {
+				if strings.Contains(l, mention) || strings.Contains(l, " "+svc.Spec.ClusterIP+"/32 ") {
 					lines = append(lines, l)
 				}
 			}
@@ -286,4 +331,76 @@ func errString(err error) string {
 		return "answered (already repaired)"
 	}
 	return err.Error()
+}
+
+// A pod that is itself an endpoint of a service reaches every endpoint through
+// it, itself included (hairpin), and the other endpoints see its own address:
+// like kube-proxy, only traffic that loops back to its sender is masqueraded.
+func TestEndpointPodCallingItsOwnService(t *testing.T) {
+	e := setup(t)
+	svc := e.service("echo", testbed.Port("http", corev1.ProtocolTCP, 80, testbed.EchoPort))
+	e.endpoints(svc, 1, 2, 3)
+	addr := testbed.ClusterAddr(svc, 80)
+	self := tb.Pod(1)
+	waitAnswer(t, tcp(2*time.Second), self.NS, addr, 20*time.Second)
+
+	seen := map[string]int{}
+	sources := map[string]map[string]int{}
+	for i := 0; i < 60; i++ {
+		a, err := tb.DialTCP(self.NS, addr, 2*time.Second)
+		if err != nil {
+			t.Fatalf("request %d from endpoint pod %s: %v (answers so far %v)", i+1, self.IPv4, err, seen)
+		}
+		seen[a.Endpoint]++
+		if sources[a.Endpoint] == nil {
+			sources[a.Endpoint] = map[string]int{}
+		}
+		sources[a.Endpoint][a.SourceIP()]++
+	}
+	t.Logf("from endpoint pod %s: source seen, by answering endpoint: %v", self.IPv4, sources)
+	requireExactly(t, seen, podIPs(1, 2, 3))
+	for ep, src := range sources {
+		if ep == self.IPv4 {
+			continue
+		}
+		for ip, n := range src {
+			if ip != self.IPv4 {
+				t.Errorf("endpoint %s saw %d requests from pod %s come from %s, want the pod's own address (only hairpin traffic to itself needs masquerading)", ep, n, self.IPv4, ip)
+			}
+		}
+	}
+}
+
+// SCTP services are programmed like the others. (The test kernel has no SCTP
+// sockets, so no traffic: the rules are what can be checked.)
+func TestClusterIPSCTPRules(t *testing.T) {
+	e := setup(t)
+	svc := e.service("sctp", testbed.Port("assoc", corev1.ProtocolSCTP, 9000, testbed.EchoPort))
+	e.endpoints(svc, 1, 2)
+	comment := testbed.ServiceComment(e.ns, svc.Name, "assoc")
+	rule := func(l string) bool {
+		return strings.Contains(l, comment) && strings.Contains(l, "-p sctp")
+	}
+	testbed.Eventually(t, 20*time.Second, func() error {
+		nat := e.iptablesSave("nat")
+		dnat := 0
+		for _, l := range strings.Split(nat, "\n") {
+			if rule(l) && strings.Contains(l, "-j DNAT") {
+				dnat++
+			}
+		}
+		if dnat != 2 {
+			return fmt.Errorf("want 2 SCTP DNAT rules for %s, have %d:\n%s", comment, dnat, filterRules(nat, e.ns+"/"))
+		}
+		return nil
+	})
+	if err := tb.DeleteService(e.ctx, e.ns, svc.Name); err != nil {
+		t.Fatal(err)
+	}
+	testbed.Eventually(t, 10*time.Second, func() error {
+		if nat := e.iptablesSave("nat"); strings.Contains(nat, comment) {
+			return fmt.Errorf("deleted SCTP service still in the NAT table:\n%s", filterRules(nat, e.ns+"/"))
+		}
+		return nil
+	})
 }

@@ -88,17 +88,29 @@ func (e *env) dumpEvidence() {
 	}
 }
 
-// filterRules keeps table/chain header lines and rules mentioning needle.
+// filterRules keeps the table and chain lines, the rules of shared chains and
+// the rules mentioning needle; it drops other services' own chains.
 func filterRules(save, needle string) string {
 	var keep []string
 	for _, l := range strings.Split(save, "\n") {
-		if strings.HasPrefix(l, "*") || strings.HasPrefix(l, ":") || strings.Contains(l, needle) ||
-			strings.HasPrefix(l, "-A KUBE-SERVICES") || strings.HasPrefix(l, "-A PREROUTING") ||
-			strings.HasPrefix(l, "-A OUTPUT") || strings.HasPrefix(l, "-A POSTROUTING") {
+		if strings.Contains(l, needle) || !perServiceRule(l) {
 			keep = append(keep, l)
 		}
 	}
 	return strings.Join(keep, "\n")
+}
+
+func perServiceRule(l string) bool {
+	f := strings.Fields(l)
+	if len(f) < 2 || f[0] != "-A" {
+		return false
+	}
+	for _, p := range []string{"KUBE-SVC-", "KUBE-SEP-", "KUBE-EXT-", "KUBE-FW-", "KUBE-SVL-", "KUBE-XLB-"} {
+		if strings.HasPrefix(f[1], p) {
+			return true
+		}
+	}
+	return false
 }
 
 // service creates a ClusterIP service in the test's namespace.

@@ -92,8 +92,8 @@ func runMain(m *testing.M) int {
 	}()
 	if d := testTimeout(); d > 0 {
 		// go test's own timeout panics without running deferred calls; beat it.
-		grace := 20 * time.Second
-		if d > 2*grace {
+		grace := min(20*time.Second, d/4)
+		{
 			t := time.AfterFunc(d-grace, func() {
 				buf := make([]byte, 1<<20)
 				os.Stderr.Write(buf[:runtime.Stack(buf, true)])

@@ -6,20 +6,26 @@ import (
 	"github.com/kpipe/kpipe/bus"
 )
 
-// Assemble turns a table payload into iptables-restore input. Chains in the
-// payload's Delete list and in extraDeletes are declared (which empties them) and
-// then removed; with --noflush nothing else in the table is touched.
-func Assemble(tp bus.TablePayload, extraDeletes []string) []byte {
-	var b bytes.Buffer
-	b.Grow(len(tp.Rules) + 64*(len(tp.Declare)+len(tp.Delete)+len(extraDeletes)) + 32)
-	b.WriteString("*" + tp.Table + "\n")
-	deletes := append(append([]string{}, tp.Delete...), extraDeletes...)
-	for _, chains := range [][]string{tp.Declare, deletes} {
-		for _, c := range chains {
-			b.WriteString(":" + c + " - [0:0]\n")
-		}
+// Assemble turns chains to rewrite and chains to delete into iptables-restore
+// input for table. With --noflush nothing else in the table is touched.
+func Assemble(table string, chains []bus.Chain, deletes []string) []byte {
+	size := 32
+	for _, c := range chains {
+		size += len(c.Rules) + len(c.Name) + 16
 	}
-	b.Write(tp.Rules)
+	var b bytes.Buffer
+	b.Grow(size + 64*len(deletes))
+	b.WriteString("*" + table + "\n")
+	for _, c := range chains {
+		b.WriteString(":" + c.Name + " - [0:0]\n")
+	}
+	// A deleted chain is declared first (emptying it), so -X finds it empty.
+	for _, c := range deletes {
+		b.WriteString(":" + c + " - [0:0]\n")
+	}
+	for _, c := range chains {
+		b.Write(c.Rules)
+	}
 	for _, c := range deletes {
 		b.WriteString("-X " + c + "\n")
 	}

@@ -13,6 +13,13 @@
 //	      | kpvethN (bridge port)
 //	kpe2e-ID-podN    eth0 10.244.0.(10+N)/24 fd00:10:244::(10+N)/64, echo server :8080
 //
+// The node forwards (IPv4 and IPv6), passes bridged traffic through iptables
+// (bridge-nf-call-ip(6)tables), does not rate-limit the ICMP errors it sends
+// (so quick successions of rejected connections are all refused at once), and
+// its default routes lead to the client namespace, which does not forward:
+// traffic to an address nobody translates is dropped there (a timeout).
+// IPv6 duplicate address detection is off everywhere.
+//
 // Everything is removed by Close, and namespaces left by runs that crashed are
 // removed by the next New.
 package testbed

@@ -87,6 +87,11 @@ func (tb *Testbed) buildTopology(pods int) error {
 		"net.ipv6.conf.all.forwarding=1",
 		"net.bridge.bridge-nf-call-iptables=1",
 		"net.bridge.bridge-nf-call-ip6tables=1",
+		// The kernel sends at most ~6 ICMP errors in a burst to one host, then
+		// one a second: tests that hit a REJECT rule in quick succession would
+		// see the kernel's throttling instead of kpipe's rules.
+		"net.ipv4.icmp_ratelimit=0",
+		"net.ipv6.icmp.ratelimit=0",
 	); err != nil {
 		return err
 	}

@@ -232,6 +232,17 @@ func (s *Stage) apply(st *bus.State, synced *bool, c bus.Change, seq uint64, fam
 		st.LocalAddrs = c.Addrs
 		mark(bus.ServiceKey{})
 	case bus.Replayed:
+		// Every service the replay may change is pending until a commit carries it,
+		// as kube-proxy queues an update for each object its informers add: a first
+		// commit that keeps failing must show in /healthz.
+		for _, s := range []bus.State{*st, *c.Replay} {
+			for k := range s.Services {
+				mark(k)
+			}
+			for k := range s.Slices {
+				mark(k)
+			}
+		}
 		*st = *c.Replay
 		if st.Services == nil {
 			st.Services = map[bus.ServiceKey]*bus.Service{}

@@ -10,6 +10,7 @@ import (
 	"maps"
 	"net/netip"
 	"slices"
+	"strings"
 	"time"
 
 	"github.com/kpipe/kpipe/bus"
@@ -90,10 +91,20 @@ func (s *Stage) Run(ctx context.Context) error {
 	}
 }
 
-// apply writes the plan. A full plan also re-ensures the jumps from the built-in
-// chains and deletes per-service chains that exist in the kernel but not in the plan.
+// maxChainsPerRestore bounds how many chains one iptables-restore rewrites. With
+// --noflush on iptables-nft the cost grows with the square of that count: a
+// 10k-service full sync (20k chains) takes about 53 s as one restore and about 7 s
+// in batches of 5000 (see BenchmarkRestore).
+const maxChainsPerRestore = 4000
+
+// apply writes the plan. A full plan also deletes per-service chains that exist in
+// the kernel but not in the plan, and re-ensures the jumps from the built-in chains.
+// A large plan is written in batches: per-service chains first, in an order where a
+// chain only jumps to chains already written, and the top-level chains, which make
+// the new chains reachable, last. Each batch replaces whole chains atomically.
 func (s *Stage) apply(ctx context.Context, rules *nf.Rules, plan *bus.Plan) error {
-	var payload bytes.Buffer
+	var batches [][]byte
+	var last bytes.Buffer
 	for _, tp := range plan.Tables {
 		var stale []string
 		if plan.Full {
@@ -103,10 +114,26 @@ func (s *Stage) apply(ctx context.Context, rules *nf.Rules, plan *bus.Plan) erro
 			}
 			stale = staleChains(existing, tp, plan.Programmed)
 		}
-		if len(tp.Declare) == 0 && len(tp.Delete) == 0 && len(stale) == 0 {
-			continue
+		services, top := splitChains(tp.Chains)
+		if len(tp.Chains) <= maxChainsPerRestore {
+			services, top = nil, tp.Chains
 		}
-		payload.Write(nf.Assemble(tp, stale))
+		for len(services) > 0 {
+			n := min(len(services), maxChainsPerRestore)
+			batches = append(batches, nf.Assemble(tp.Table, services[:n], nil))
+			services = services[n:]
+		}
+		if len(top) > 0 || len(tp.Delete) > 0 || len(stale) > 0 {
+			last.Write(nf.Assemble(tp.Table, top, append(append([]string{}, tp.Delete...), stale...)))
+		}
+	}
+	if last.Len() > 0 {
+		batches = append(batches, last.Bytes())
+	}
+	for i, b := range batches {
+		if err := s.tool.Restore(ctx, b); err != nil {
+			return fmt.Errorf("commit generation %d (restore %d of %d): %w", plan.Generation, i+1, len(batches), err)
+		}
 	}
 	if plan.Full {
 		for _, j := range nf.Jumps(s.localnetFirewall && s.family == bus.IPv4) {
@@ -115,13 +142,33 @@ func (s *Stage) apply(ctx context.Context, rules *nf.Rules, plan *bus.Plan) erro
 			}
 		}
 	}
-	if payload.Len() == 0 {
-		return nil
-	}
-	if err := s.tool.Restore(ctx, payload.Bytes()); err != nil {
-		return fmt.Errorf("commit generation %d: %w", plan.Generation, err)
-	}
 	return nil
+}
+
+// splitChains separates per-service chains, ordered so that each only jumps to
+// chains before it (service and local-policy chains, then external, then
+// firewall), from the top-level chains.
+func splitChains(chains []bus.Chain) (services, top []bus.Chain) {
+	rank := func(name string) int {
+		switch {
+		case strings.HasPrefix(name, nf.PrefixService), strings.HasPrefix(name, nf.PrefixServiceLocal):
+			return 0
+		case strings.HasPrefix(name, nf.PrefixExternal):
+			return 1
+		case strings.HasPrefix(name, nf.PrefixFirewall):
+			return 2
+		}
+		return -1
+	}
+	for _, c := range chains {
+		if rank(c.Name) < 0 {
+			top = append(top, c)
+		} else {
+			services = append(services, c)
+		}
+	}
+	slices.SortStableFunc(services, func(a, b bus.Chain) int { return rank(a.Name) - rank(b.Name) })
+	return services, top
 }
 
 // staleChains lists per-service chains in the kernel that the plan neither writes

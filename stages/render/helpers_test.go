@@ -76,10 +76,10 @@ func node() *bus.Node {
 func payload(p *bus.Plan) string {
 	var b strings.Builder
 	for _, tp := range p.Tables {
-		if len(tp.Declare) == 0 && len(tp.Delete) == 0 {
+		if len(tp.Chains) == 0 && len(tp.Delete) == 0 {
 			continue
 		}
-		b.Write(nf.Assemble(tp, nil))
+		b.Write(nf.Assemble(tp.Table, tp.Chains, tp.Delete))
 	}
 	return b.String()
 }
@@ -129,10 +129,12 @@ func checkConsistent(t *testing.T, p *bus.Plan) {
 	t.Helper()
 	for _, tp := range p.Tables {
 		declared := map[string]bool{}
-		for _, c := range tp.Declare {
-			declared[c] = true
+		var rules strings.Builder
+		for _, c := range tp.Chains {
+			declared[c.Name] = true
+			rules.Write(c.Rules)
 		}
-		for _, line := range strings.Split(string(tp.Rules), "\n") {
+		for _, line := range strings.Split(rules.String(), "\n") {
 			if line == "" {
 				continue
 			}

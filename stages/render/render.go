@@ -99,14 +99,19 @@ func (t *table) declare(chain string) {
 }
 
 // add appends "-A chain args..." to chain.
-func (t *table) add(chain string, args ...string) {
+func (t *table) add(chain string, args ...string) { t.rule(chain, args) }
+
+// rule appends "-A chain" and every part's words to chain.
+func (t *table) rule(chain string, parts ...[]string) {
 	t.declare(chain)
 	b := t.rules[chain]
 	b.WriteString("-A ")
 	b.WriteString(chain)
-	for _, a := range args {
-		b.WriteByte(' ')
-		b.WriteString(a)
+	for _, p := range parts {
+		for _, a := range p {
+			b.WriteByte(' ')
+			b.WriteString(a)
+		}
 	}
 	b.WriteByte('\n')
 	t.counts[chain]++
@@ -188,14 +193,14 @@ func (r *renderer) writeFixedChains() {
 	}
 	r.nat.add(nf.ChainPostrouting, "-m", "mark", "!", "--mark", r.mark, "-j", "RETURN")
 	r.nat.add(nf.ChainPostrouting, "-j", "MARK", "--xor-mark", strings.Split(r.mark, "/")[0])
-	r.nat.add(nf.ChainPostrouting, join(comment("kubernetes service traffic requiring SNAT"), []string{"-j", "MASQUERADE", "--random-fully"})...)
+	r.nat.rule(nf.ChainPostrouting, comment("kubernetes service traffic requiring SNAT"), []string{"-j", "MASQUERADE", "--random-fully"})
 	r.nat.add(nf.ChainMarkMasq, "-j", "MARK", "--or-mark", strings.Split(r.mark, "/")[0])
 
 	if !r.cfg.ConntrackLiberal {
 		r.filter.add(nf.ChainForward, "-m", "conntrack", "--ctstate", "INVALID", "-j", "DROP")
 	}
-	r.filter.add(nf.ChainForward, join(comment("kubernetes forwarding rules"), []string{"-m", "mark", "--mark", r.mark, "-j", "ACCEPT"})...)
-	r.filter.add(nf.ChainForward, join(comment("kubernetes forwarding conntrack rule"), []string{"-m", "conntrack", "--ctstate", "RELATED,ESTABLISHED", "-j", "ACCEPT"})...)
+	r.filter.rule(nf.ChainForward, comment("kubernetes forwarding rules"), []string{"-m", "mark", "--mark", r.mark, "-j", "ACCEPT"})
+	r.filter.rule(nf.ChainForward, comment("kubernetes forwarding conntrack rule"), []string{"-m", "conntrack", "--ctstate", "RELATED,ESTABLISHED", "-j", "ACCEPT"})
 	if r.cfg.LocalhostNodePortsActive() {
 		r.filter.add(nf.ChainLocalnetFirewall, join(comment("block incoming localnet connections"),
 			[]string{"-d", "127.0.0.0/8", "!", "-s", "127.0.0.0/8", "-m", "conntrack", "!", "--ctstate", "RELATED,ESTABLISHED,DNAT", "-j", "DROP"})...)
@@ -301,15 +306,15 @@ func (r *renderer) writeRules(sp *servicePort) {
 	if hasInternal {
 		args := join(comment(sp.label+" cluster IP"), cip)
 		if r.cfg.MasqueradeAll {
-			r.nat.add(internalChain, join(args, []string{"-j", nf.ChainMarkMasq})...)
+			r.nat.rule(internalChain, args, []string{"-j", nf.ChainMarkMasq})
 		} else if r.isNotLocal != nil {
 			// Off-cluster traffic to a ClusterIP (a static route to the service range)
 			// may leave the node again, so it is masqueraded.
-			r.nat.add(internalChain, join(args, r.isNotLocal, []string{"-j", nf.ChainMarkMasq})...)
+			r.nat.rule(internalChain, args, r.isNotLocal, []string{"-j", nf.ChainMarkMasq})
 		}
-		r.nat.add(nf.ChainServices, join(args, []string{"-j", internalChain})...)
+		r.nat.rule(nf.ChainServices, args, []string{"-j", internalChain})
 	} else {
-		r.filter.add(nf.ChainServices, join(comment(intComment), cip, []string{"-j", intTarget})...)
+		r.filter.rule(nf.ChainServices, comment(intComment), cip, []string{"-j", intTarget})
 	}
 
 	// The policy chains: after the masquerade rule above, so it runs before any DNAT.
@@ -324,10 +329,10 @@ func (r *renderer) writeRules(sp *servicePort) {
 	for _, ip := range sp.externals {
 		dst := join(sp.proto, []string{"-d", hostCIDR(ip)}, dport)
 		if hasEndpoints {
-			r.nat.add(nf.ChainServices, join(comment(sp.label+" external IP"), dst, []string{"-j", sp.extChain})...)
+			r.nat.rule(nf.ChainServices, comment(sp.label+" external IP"), dst, []string{"-j", sp.extChain})
 		}
 		if !hasExternal {
-			r.filter.add(nf.ChainExternalServices, join(comment(extComment), dst, []string{"-j", extTarget})...)
+			r.filter.rule(nf.ChainExternalServices, comment(extComment), dst, []string{"-j", extTarget})
 		}
 	}
 
@@ -335,13 +340,13 @@ func (r *renderer) writeRules(sp *servicePort) {
 	for _, ip := range sp.lbIPs {
 		dst := join(sp.proto, []string{"-d", hostCIDR(ip)}, dport)
 		if hasEndpoints {
-			r.nat.add(nf.ChainServices, join(comment(sp.label+" loadbalancer IP"), dst, []string{"-j", lbChain})...)
+			r.nat.rule(nf.ChainServices, comment(sp.label+" loadbalancer IP"), dst, []string{"-j", lbChain})
 		}
 		if usesFW {
-			r.filter.add(nf.ChainProxyFirewall, join(comment(sp.label+" traffic not accepted by "+sp.fwChain), dst, []string{"-j", "DROP"})...)
+			r.filter.rule(nf.ChainProxyFirewall, comment(sp.label+" traffic not accepted by "+sp.fwChain), dst, []string{"-j", "DROP"})
 		}
 		if !hasExternal {
-			r.filter.add(nf.ChainExternalServices, join(comment(extComment), dst, []string{"-j", extTarget})...)
+			r.filter.rule(nf.ChainExternalServices, comment(extComment), dst, []string{"-j", extTarget})
 		}
 	}
 
@@ -349,17 +354,17 @@ func (r *renderer) writeRules(sp *servicePort) {
 	if np := sp.port.NodePort; np != 0 {
 		npPort := []string{"--dport", strconv.Itoa(int(np))}
 		if hasEndpoints {
-			r.nat.add(nf.ChainNodePorts, join(comment(sp.label), sp.proto, npPort, []string{"-j", sp.extChain})...)
+			r.nat.rule(nf.ChainNodePorts, comment(sp.label), sp.proto, npPort, []string{"-j", sp.extChain})
 		}
 		if !hasExternal {
-			r.filter.add(nf.ChainExternalServices, join(comment(extComment), []string{"-m", "addrtype", "--dst-type", "LOCAL"}, sp.proto, npPort, []string{"-j", extTarget})...)
+			r.filter.rule(nf.ChainExternalServices, comment(extComment), []string{"-m", "addrtype", "--dst-type", "LOCAL"}, sp.proto, npPort, []string{"-j", extTarget})
 		}
 	}
 
 	// Health-check node port: let it in, and tell health how many local endpoints there are.
 	if hc := sp.svc.HealthCheckNodePort; hc != 0 && sp.extLocal {
 		if _, done := r.checks[sp.svc.ServiceKey]; !done {
-			r.filter.add(nf.ChainNodePorts, join(comment(sp.label+" health check node port"), []string{"-m", "tcp", "-p", "tcp", "--dport", strconv.Itoa(int(hc)), "-j", "ACCEPT"})...)
+			r.filter.rule(nf.ChainNodePorts, comment(sp.label+" health check node port"), []string{"-m", "tcp", "-p", "tcp", "--dport", strconv.Itoa(int(hc)), "-j", "ACCEPT"})
 		}
 		r.checks[sp.svc.ServiceKey] = bus.HealthCheck{NodePort: hc, LocalEndpoints: max(r.checks[sp.svc.ServiceKey].LocalEndpoints, countReadyLocal(eps.local))}
 	}
@@ -369,14 +374,14 @@ func (r *renderer) writeRules(sp *servicePort) {
 	if usesExtChain {
 		r.nat.declare(sp.extChain)
 		if !sp.extLocal {
-			r.nat.add(sp.extChain, join(comment("masquerade traffic for "+sp.label+" external destinations"), []string{"-j", nf.ChainMarkMasq})...)
+			r.nat.rule(sp.extChain, comment("masquerade traffic for "+sp.label+" external destinations"), []string{"-j", nf.ChainMarkMasq})
 		} else {
 			if r.isLocal != nil && usesClusterChain {
-				r.nat.add(sp.extChain, join(comment("pod traffic for "+sp.label+" external destinations"), r.isLocal, []string{"-j", sp.svcChain})...)
+				r.nat.rule(sp.extChain, comment("pod traffic for "+sp.label+" external destinations"), r.isLocal, []string{"-j", sp.svcChain})
 			}
-			r.nat.add(sp.extChain, join(comment("masquerade LOCAL traffic for "+sp.label+" external destinations"), []string{"-m", "addrtype", "--src-type", "LOCAL", "-j", nf.ChainMarkMasq})...)
+			r.nat.rule(sp.extChain, comment("masquerade LOCAL traffic for "+sp.label+" external destinations"), []string{"-m", "addrtype", "--src-type", "LOCAL", "-j", nf.ChainMarkMasq})
 			if usesClusterChain {
-				r.nat.add(sp.extChain, join(comment("route LOCAL traffic for "+sp.label+" external destinations"), []string{"-m", "addrtype", "--src-type", "LOCAL", "-j", sp.svcChain})...)
+				r.nat.rule(sp.extChain, comment("route LOCAL traffic for "+sp.label+" external destinations"), []string{"-m", "addrtype", "--src-type", "LOCAL", "-j", sp.svcChain})
 			}
 		}
 		if hasExternal {
@@ -391,17 +396,17 @@ func (r *renderer) writeRules(sp *servicePort) {
 		args := comment(sp.label + " loadbalancer IP")
 		allowNode := false
 		for _, src := range sp.sources {
-			r.nat.add(sp.fwChain, join(args, []string{"-s", src.String(), "-j", sp.extChain})...)
+			r.nat.rule(sp.fwChain, args, []string{"-s", src.String(), "-j", sp.extChain})
 			allowNode = allowNode || r.nodeIPIn(src)
 		}
 		if allowNode {
 			// A request from the node to a VIP that is a local address loops back
 			// with the VIP as its source.
 			for _, ip := range sp.lbIPs {
-				r.nat.add(sp.fwChain, join(args, []string{"-s", hostCIDR(ip), "-j", sp.extChain})...)
+				r.nat.rule(sp.fwChain, args, []string{"-s", hostCIDR(ip), "-j", sp.extChain})
 			}
 		}
-		r.nat.add(sp.fwChain, join(args, comment("other traffic to "+sp.label+" will be dropped by KUBE-PROXY-FIREWALL"))...)
+		r.nat.rule(sp.fwChain, args, comment("other traffic to "+sp.label+" will be dropped by KUBE-PROXY-FIREWALL"))
 	}
 
 	if sp.port.Protocol == bus.UDP {
@@ -416,28 +421,38 @@ func (r *renderer) writeEndpoints(sp *servicePort, chain string, eps []endpoint)
 	r.nat.declare(chain)
 	// Hairpin: a pod that reaches its own service may be sent back to itself, and the
 	// reply would then bypass the node; masquerade traffic from the service's own
-	// endpoints so it comes back through the node.
+	// endpoints on this node (only local pods' traffic is DNATed here) so it comes
+	// back through the node.
 	for _, e := range eps {
-		r.nat.add(chain, join(comment(sp.label+" hairpin"), []string{"-s", hostCIDR(e.addr.Addr()), "-j", nf.ChainMarkMasq})...)
+		if e.local {
+			r.nat.rule(chain, comment(sp.label+" hairpin"), []string{"-s", hostCIDR(e.addr.Addr()), "-j", nf.ChainMarkMasq})
+		}
 	}
 	affinity := sp.svc.AffinitySeconds > 0
+	dnat := make([][]string, len(eps))
+	recent := make([]string, len(eps))
+	for i, e := range eps {
+		dnat[i] = []string{"-j", "DNAT", "--to-destination", e.addr.String()}
+		if affinity {
+			recent[i] = nf.EndpointName(sp.name, e.addr.String())
+		}
+	}
 	if affinity {
 		secs := strconv.Itoa(int(sp.svc.AffinitySeconds))
-		for _, e := range eps {
-			r.nat.add(chain, join(comment(sp.label+" -> "+e.addr.String()),
-				[]string{"-m", "recent", "--name", nf.EndpointName(sp.name, e.addr.String()), "--rcheck", "--seconds", secs, "--reap"},
-				sp.proto, []string{"-j", "DNAT", "--to-destination", e.addr.String()})...)
+		for i, e := range eps {
+			r.nat.rule(chain, comment(sp.label+" -> "+e.addr.String()),
+				[]string{"-m", "recent", "--name", recent[i], "--rcheck", "--seconds", secs, "--reap"}, sp.proto, dnat[i])
 		}
 	}
 	for i, e := range eps {
-		args := comment(sp.label + " -> " + e.addr.String())
+		var pick, set []string
 		if n := len(eps) - i; n > 1 {
-			args = join(args, []string{"-m", "statistic", "--mode", "random", "--probability", probability(n)})
+			pick = []string{"-m", "statistic", "--mode", "random", "--probability", probability(n)}
 		}
 		if affinity {
-			args = join(args, []string{"-m", "recent", "--name", nf.EndpointName(sp.name, e.addr.String()), "--set"})
+			set = []string{"-m", "recent", "--name", recent[i], "--set"}
 		}
-		r.nat.add(chain, join(args, sp.proto, []string{"-j", "DNAT", "--to-destination", e.addr.String()})...)
+		r.nat.rule(chain, comment(sp.label+" -> "+e.addr.String()), pick, set, sp.proto, dnat[i])
 	}
 }
 
@@ -514,14 +529,14 @@ func (r *renderer) writeNodePortsTail() {
 		} else if !r.cfg.LocalhostNodePorts {
 			dst = append(dst, "!", "-d", "127.0.0.0/8")
 		}
-		r.nat.add(nf.ChainServices, join(comment(text), dst, []string{"-j", nf.ChainNodePorts})...)
+		r.nat.rule(nf.ChainServices, comment(text), dst, []string{"-j", nf.ChainNodePorts})
 		return
 	}
 	for _, ip := range targets {
 		if ip.IsLoopback() && !r.cfg.LocalhostNodePortsActive() {
 			continue
 		}
-		r.nat.add(nf.ChainServices, join(comment(text), []string{"-d", hostCIDR(ip), "-j", nf.ChainNodePorts})...)
+		r.nat.rule(nf.ChainServices, comment(text), []string{"-d", hostCIDR(ip), "-j", nf.ChainNodePorts})
 	}
 }
 
@@ -567,7 +582,6 @@ func (r *renderer) plan() *bus.Plan {
 	}
 	for _, t := range []*table{r.filter, r.nat} {
 		tp := bus.TablePayload{Table: t.name}
-		var rules strings.Builder
 		for _, chain := range t.order {
 			key := t.name + "/" + chain
 			text := t.rules[chain].String()
@@ -581,8 +595,7 @@ func (r *renderer) plan() *bus.Plan {
 					continue
 				}
 			}
-			tp.Declare = append(tp.Declare, chain)
-			rules.WriteString(text)
+			tp.Chains = append(tp.Chains, bus.Chain{Name: chain, Rules: []byte(text)})
 		}
 		for key := range committed {
 			table, chain, _ := strings.Cut(key, "/")
@@ -593,7 +606,6 @@ func (r *renderer) plan() *bus.Plan {
 			}
 		}
 		slices.Sort(tp.Delete)
-		tp.Rules = []byte(rules.String())
 		p.Tables = append(p.Tables, tp)
 	}
 	return p

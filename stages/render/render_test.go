@@ -150,8 +150,8 @@ func TestPartialSync(t *testing.T) {
 	if !slices.Equal(nat.Delete, []string{bChain}) {
 		t.Errorf("deleted chains = %v, want [%s]", nat.Delete, bChain)
 	}
-	if !slices.Contains(nat.Declare, nf.ChainServices) {
-		t.Errorf("KUBE-SERVICES not rewritten after a delete: %v", nat.Declare)
+	if !slices.Contains(declared(third, "nat"), nf.ChainServices) {
+		t.Errorf("KUBE-SERVICES not rewritten after a delete: %v", declared(third, "nat"))
 	}
 	if strings.Contains(payload(third), "ns/b:http cluster IP") {
 		t.Errorf("deleted service still has rules:\n%s", payload(third))
@@ -173,7 +173,13 @@ func tableOf(p *bus.Plan, name string) bus.TablePayload {
 	return bus.TablePayload{}
 }
 
-func declared(p *bus.Plan, name string) []string { return tableOf(p, name).Declare }
+func declared(p *bus.Plan, name string) []string {
+	var out []string
+	for _, c := range tableOf(p, name).Chains {
+		out = append(out, c.Name)
+	}
+	return out
+}
 
 // TestServiceOfOtherFamilyIgnored: an IPv4-only service writes nothing to IPv6.
 func TestServiceOfOtherFamilyIgnored(t *testing.T) {

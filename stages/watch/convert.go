@@ -172,14 +172,13 @@ func (c Converter) Slice(s *discoveryv1.EndpointSlice) (*bus.EndpointSlice, []sk
 			bad("wrong-family", fmt.Sprintf("address %s in a %s slice", a, s.AddressType))
 			continue
 		}
+		// Unset conditions mean what the API says they mean (and kube-proxy reads):
+		// ready and serving true, terminating false.
 		ep := bus.Endpoint{
 			Addr:        a,
 			Ready:       e.Conditions.Ready == nil || *e.Conditions.Ready,
+			Serving:     e.Conditions.Serving == nil || *e.Conditions.Serving,
 			Terminating: e.Conditions.Terminating != nil && *e.Conditions.Terminating,
-		}
-		ep.Serving = ep.Ready
-		if e.Conditions.Serving != nil {
-			ep.Serving = *e.Conditions.Serving
 		}
 		if e.NodeName != nil {
 			ep.NodeName = *e.NodeName

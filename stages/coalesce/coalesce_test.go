@@ -1,0 +1,581 @@
+package coalesce_test
+
+import (
+	"context"
+	"log/slog"
+	"net/netip"
+	"testing"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/kpipe/kpipe/bus"
+	"github.com/kpipe/kpipe/stages/coalesce"
+)
+
+// within bounds how long a test waits for something that must happen; it is a
+// hang guard, never a speed requirement.
+const within = 5 * time.Second
+
+// quiet is how long a test watches for something that must not happen.
+const quiet = 250 * time.Millisecond
+
+type harness struct {
+	t      *testing.T
+	in     chan bus.Change
+	replay *bus.Flag
+	fams   map[bus.Family]coalesce.Family
+	board  *bus.Board
+	cancel context.CancelFunc
+	done   chan error
+}
+
+func start(t *testing.T, cfg coalesce.Config, families ...bus.Family) *harness {
+	t.Helper()
+	if len(families) == 0 {
+		families = []bus.Family{bus.IPv4}
+	}
+	if cfg.SyncPeriod == 0 {
+		cfg.SyncPeriod = time.Hour
+	}
+	h := &harness{t: t, in: make(chan bus.Change), replay: bus.NewFlag(), fams: map[bus.Family]coalesce.Family{},
+		board: bus.NewBoard(), done: make(chan error, 1)}
+	var fs []coalesce.Family
+	for _, f := range families {
+		cf := coalesce.Family{Family: f, Out: bus.NewMailbox[*bus.Snapshot](), Results: bus.NewMailbox[bus.Result](), Resync: bus.NewFlag()}
+		h.fams[f] = cf
+		fs = append(fs, cf)
+	}
+	metrics := bus.NewMetrics(prometheus.NewRegistry())
+	s := coalesce.NewStage(cfg, h.in, h.replay, fs, h.board, metrics, slog.New(slog.DiscardHandler))
+	ctx, cancel := context.WithCancel(context.Background())
+	h.cancel = cancel
+	go func() { h.done <- s.Run(ctx) }()
+	t.Cleanup(func() {
+		cancel()
+		select {
+		case err := <-h.done:
+			if err != nil {
+				t.Errorf("Run returned %v after cancel; want nil", err)
+			}
+		case <-time.After(within):
+			t.Error("Run did not return after its context was cancelled")
+		}
+	})
+	return h
+}
+
+func (h *harness) send(c bus.Change) {
+	h.t.Helper()
+	select {
+	case h.in <- c:
+	case <-time.After(within):
+		h.t.Fatalf("coalesce did not take change %+v", c)
+	}
+}
+
+// take waits for the next snapshot of family f.
+func (h *harness) take(f bus.Family) *bus.Snapshot {
+	h.t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), within)
+	defer cancel()
+	s, err := h.fams[f].Out.Take(ctx)
+	if err != nil {
+		h.t.Fatalf("no %v snapshot: %v", f, err)
+	}
+	if s == nil {
+		h.t.Fatalf("nil %v snapshot", f)
+	}
+	return s
+}
+
+// none checks that no snapshot of family f comes out for a while.
+func (h *harness) none(f bus.Family, why string) {
+	h.t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), quiet)
+	defer cancel()
+	if s, err := h.fams[f].Out.Take(ctx); err == nil {
+		h.t.Fatalf("%s: got snapshot generation %d (full=%v); want none", why, s.Generation, s.Full)
+	}
+}
+
+func (h *harness) answer(f bus.Family, s *bus.Snapshot, ok bool, prog *bus.Programmed) {
+	r := bus.Result{Family: f, Generation: s.Generation, OK: ok, Full: s.Full, At: time.Now(), Programmed: prog}
+	if !ok {
+		r.Programmed = nil
+		r.Err = context.DeadlineExceeded
+	}
+	h.fams[f].Results.Put(r)
+}
+
+// eventually polls cond until it holds.
+func eventually(t *testing.T, what string, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(within)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("never: %s", what)
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+}
+
+var (
+	keyA = bus.ServiceKey{Namespace: "default", Name: "a"}
+	keyB = bus.ServiceKey{Namespace: "default", Name: "b"}
+	keyC = bus.ServiceKey{Namespace: "kube-system", Name: "dns"}
+)
+
+func svc(key bus.ServiceKey, ip string) *bus.Service {
+	return &bus.Service{ServiceKey: key, ClusterIPs: []netip.Addr{netip.MustParseAddr(ip)},
+		Ports: []bus.Port{{Name: "http", Protocol: bus.TCP, Port: 80}}}
+}
+
+func slice(key bus.ServiceKey, name, ip string) *bus.EndpointSlice {
+	return &bus.EndpointSlice{Service: key, Name: name, Family: bus.FamilyOf(netip.MustParseAddr(ip)),
+		Ports: []bus.EndpointPort{{Name: "http", Protocol: bus.TCP, Port: 8080}},
+		Items: []bus.Endpoint{{Addr: netip.MustParseAddr(ip), Ready: true, Serving: true}}}
+}
+
+func replayOf(services ...*bus.Service) bus.Change {
+	st := &bus.State{Services: map[bus.ServiceKey]*bus.Service{}, Slices: map[bus.ServiceKey]map[string]*bus.EndpointSlice{},
+		Node: &bus.Node{Name: "node-1"}}
+	for _, s := range services {
+		st.Services[s.ServiceKey] = s
+	}
+	return bus.Change{Kind: bus.Replayed, Replay: st}
+}
+
+func programmed(tag string) *bus.Programmed {
+	return &bus.Programmed{Chains: map[string]uint64{"nat/" + tag: 1}}
+}
+
+func TestAsksForReplayAtStart(t *testing.T) {
+	h := start(t, coalesce.Config{})
+	select {
+	case <-h.replay.C():
+	case <-time.After(within):
+		t.Fatal("coalesce did not raise the replay flag at start")
+	}
+}
+
+func TestNoSnapshotBeforeReplay(t *testing.T) {
+	h := start(t, coalesce.Config{})
+	h.send(bus.Change{Kind: bus.ServiceChanged, Key: keyB, Service: svc(keyB, "10.96.0.2")})
+	h.send(bus.Change{Kind: bus.SliceChanged, Key: keyB, SliceName: "b-1", Slice: slice(keyB, "b-1", "10.244.0.2")})
+	h.send(bus.Change{Kind: bus.NodeChanged, Node: &bus.Node{Name: "node-1"}})
+	h.none(bus.IPv4, "changes before the replay")
+
+	a := svc(keyA, "10.96.0.1")
+	h.send(replayOf(a))
+	s := h.take(bus.IPv4)
+	if !s.Full {
+		t.Error("first snapshot is not Full")
+	}
+	if s.Committed != nil {
+		t.Errorf("first snapshot carries Committed %v; want nil", s.Committed)
+	}
+	if len(s.State.Services) != 1 || s.State.Services[keyA] != a {
+		t.Errorf("first snapshot services = %v; want exactly the replayed %v", s.State.Services, keyA)
+	}
+	if len(s.State.Slices) != 0 {
+		t.Errorf("first snapshot slices = %v; want the replayed (none)", s.State.Slices)
+	}
+	if s.State.Node == nil || s.State.Node.Name != "node-1" {
+		t.Errorf("first snapshot node = %v; want the replayed node-1", s.State.Node)
+	}
+	if s.Generation == 0 {
+		t.Error("snapshot generation is 0")
+	}
+}
+
+func TestLaterSnapshotsArePartialOnTopOfCommitted(t *testing.T) {
+	h := start(t, coalesce.Config{})
+	h.send(replayOf(svc(keyA, "10.96.0.1")))
+	s1 := h.take(bus.IPv4)
+	p1 := programmed("one")
+	h.answer(bus.IPv4, s1, true, p1)
+
+	b := svc(keyB, "10.96.0.2")
+	h.send(bus.Change{Kind: bus.ServiceChanged, Key: keyB, Service: b})
+	s2 := h.take(bus.IPv4)
+	if s2.Full {
+		t.Error("snapshot after an OK commit is Full; want partial")
+	}
+	if s2.Committed != p1 {
+		t.Errorf("Committed = %v; want the Programmed of the last OK result %v", s2.Committed, p1)
+	}
+	if s2.Generation <= s1.Generation {
+		t.Errorf("generation went from %d to %d; want it to grow", s1.Generation, s2.Generation)
+	}
+	if !s2.Changed[keyB] || len(s2.Changed) != 1 {
+		t.Errorf("Changed = %v; want exactly %v", s2.Changed, keyB)
+	}
+	if s2.State.Services[keyB] != b || s2.State.Services[keyA] == nil {
+		t.Errorf("services = %v; want a and b", s2.State.Services)
+	}
+	if s2.QueuedAt.IsZero() {
+		t.Error("QueuedAt is zero for a snapshot carrying a change")
+	}
+
+	p2 := programmed("two")
+	h.answer(bus.IPv4, s2, true, p2)
+	h.send(bus.Change{Kind: bus.ServiceChanged, Key: keyA, Service: nil}) // deleted
+	s3 := h.take(bus.IPv4)
+	if s3.Full || s3.Committed != p2 {
+		t.Errorf("third snapshot full=%v committed=%v; want partial on top of %v", s3.Full, s3.Committed, p2)
+	}
+	if _, ok := s3.State.Services[keyA]; ok {
+		t.Error("deleted service still in the snapshot")
+	}
+	if !s3.Changed[keyA] || s3.Changed[keyB] {
+		t.Errorf("Changed = %v; want only the deleted %v (b was committed)", s3.Changed, keyA)
+	}
+}
+
+func TestAtMostOneSnapshotInFlight(t *testing.T) {
+	h := start(t, coalesce.Config{})
+	h.send(replayOf())
+	s1 := h.take(bus.IPv4)
+	for i, key := range []bus.ServiceKey{keyA, keyB, keyC} {
+		h.send(bus.Change{Kind: bus.ServiceChanged, Key: key, Service: svc(key, netip.AddrFrom4([4]byte{10, 96, 0, byte(i + 1)}).String())})
+	}
+	h.none(bus.IPv4, "changes while a snapshot is in flight")
+
+	// An answer to some other generation does not release the family.
+	h.fams[bus.IPv4].Results.Put(bus.Result{Family: bus.IPv4, Generation: s1.Generation + 100, OK: true, Programmed: programmed("x")})
+	h.none(bus.IPv4, "after an answer to a generation that is not in flight")
+
+	p1 := programmed("one")
+	h.answer(bus.IPv4, s1, true, p1)
+	s2 := h.take(bus.IPv4)
+	if len(s2.State.Services) != 3 {
+		t.Errorf("snapshot after the answer has %d services; want all 3 changes folded in", len(s2.State.Services))
+	}
+	if len(s2.Changed) != 3 {
+		t.Errorf("Changed = %v; want the 3 services", s2.Changed)
+	}
+	if s2.Committed != p1 {
+		t.Errorf("Committed = %v; want %v", s2.Committed, p1)
+	}
+	h.none(bus.IPv4, "nothing changed since the second snapshot")
+}
+
+func TestResyncSendsFullSnapshotWhileOneIsInFlight(t *testing.T) {
+	h := start(t, coalesce.Config{})
+	h.send(replayOf(svc(keyA, "10.96.0.1")))
+	s1 := h.take(bus.IPv4)
+	h.answer(bus.IPv4, s1, true, programmed("one"))
+	h.send(bus.Change{Kind: bus.ServiceChanged, Key: keyB, Service: svc(keyB, "10.96.0.2")})
+	s2 := h.take(bus.IPv4)
+	if s2.Full {
+		t.Fatal("second snapshot is Full; the test needs a partial one")
+	}
+
+	h.fams[bus.IPv4].Resync.Raise()
+	s3 := h.take(bus.IPv4)
+	if !s3.Full {
+		t.Error("snapshot after a resync request is not Full")
+	}
+	if s3.Committed != nil {
+		t.Errorf("full snapshot carries Committed %v; want nil", s3.Committed)
+	}
+	if len(s3.State.Services) != 2 {
+		t.Errorf("full snapshot has %d services; want 2", len(s3.State.Services))
+	}
+	if s3.Generation <= s2.Generation {
+		t.Errorf("generation %d after %d", s3.Generation, s2.Generation)
+	}
+
+	// The late answer to the abandoned snapshot does not count as the answer to s3:
+	// a new change still waits for s3's answer.
+	h.answer(bus.IPv4, s2, true, programmed("two"))
+	h.send(bus.Change{Kind: bus.ServiceChanged, Key: keyC, Service: svc(keyC, "10.96.0.10")})
+	h.none(bus.IPv4, "a change while the full snapshot is in flight")
+	p3 := programmed("three")
+	h.answer(bus.IPv4, s3, true, p3)
+	s4 := h.take(bus.IPv4)
+	if s4.Full || s4.Committed != p3 {
+		t.Errorf("snapshot after the full one: full=%v committed=%v; want partial on top of %v", s4.Full, s4.Committed, p3)
+	}
+}
+
+func TestFailedCommitRetriesFullAfterBackoff(t *testing.T) {
+	const period = 300 * time.Millisecond
+	h := start(t, coalesce.Config{MinSyncPeriod: period, Burst: 2})
+	h.send(replayOf(svc(keyA, "10.96.0.1")))
+	s1 := h.take(bus.IPv4)
+	h.answer(bus.IPv4, s1, true, programmed("one"))
+	h.send(bus.Change{Kind: bus.ServiceChanged, Key: keyB, Service: svc(keyB, "10.96.0.2")})
+	s2 := h.take(bus.IPv4)
+	if s2.Full {
+		t.Fatal("second snapshot is Full; the test needs a partial one")
+	}
+
+	// Let the rate limiter refill, so that only the backoff can hold the retry back.
+	time.Sleep(2 * period)
+	failedAt := time.Now()
+	h.answer(bus.IPv4, s2, false, nil)
+	s3 := h.take(bus.IPv4)
+	if waited := time.Since(failedAt); waited < period*3/4 {
+		t.Errorf("retry came %v after the failure; want a backoff of about %v", waited, period)
+	}
+	if !s3.Full {
+		t.Error("retry after a failed commit is not Full")
+	}
+	if s3.Committed != nil {
+		t.Errorf("retry carries Committed %v; want nil (full)", s3.Committed)
+	}
+	if !s3.Changed[keyB] {
+		t.Errorf("retry Changed = %v; want the uncommitted %v still there", s3.Changed, keyB)
+	}
+	if s3.State.Services[keyB] == nil {
+		t.Error("retry lost the uncommitted service")
+	}
+}
+
+func TestFailedCommitIsNotRetriedImmediately(t *testing.T) {
+	// MinSyncPeriod 0: the rate limiter never holds anything back; the backoff does.
+	h := start(t, coalesce.Config{})
+	h.send(replayOf())
+	s1 := h.take(bus.IPv4)
+	failedAt := time.Now()
+	h.answer(bus.IPv4, s1, false, nil)
+	s2 := h.take(bus.IPv4)
+	if waited := time.Since(failedAt); waited < 50*time.Millisecond {
+		t.Errorf("retry came %v after the failure; want a backoff", waited)
+	}
+	if !s2.Full {
+		t.Error("retry is not Full")
+	}
+	// A second failure backs off longer than the first.
+	failedAt = time.Now()
+	h.answer(bus.IPv4, s2, false, nil)
+	s3 := h.take(bus.IPv4)
+	if waited := time.Since(failedAt); waited < 150*time.Millisecond {
+		t.Errorf("second retry came %v after the second failure; want the backoff to grow", waited)
+	}
+	// Success resets: the next change goes out at once (no backoff left over).
+	p := programmed("ok")
+	h.answer(bus.IPv4, s3, true, p)
+	h.send(bus.Change{Kind: bus.ServiceChanged, Key: keyA, Service: svc(keyA, "10.96.0.1")})
+	s4 := h.take(bus.IPv4)
+	if s4.Full || s4.Committed != p {
+		t.Errorf("after a success: full=%v committed=%v; want partial on top of %v", s4.Full, s4.Committed, p)
+	}
+}
+
+func TestBurstOfTwoThenMinSyncPeriod(t *testing.T) {
+	// A period far beyond the test's length: only the burst can let snapshots out.
+	h := start(t, coalesce.Config{MinSyncPeriod: time.Hour, SyncPeriod: 2 * time.Hour, Burst: 2})
+	h.send(replayOf())
+	s1 := h.take(bus.IPv4)
+	h.answer(bus.IPv4, s1, true, programmed("one"))
+	h.send(bus.Change{Kind: bus.ServiceChanged, Key: keyA, Service: svc(keyA, "10.96.0.1")})
+	s2 := h.take(bus.IPv4)
+	h.answer(bus.IPv4, s2, true, programmed("two"))
+	h.send(bus.Change{Kind: bus.ServiceChanged, Key: keyB, Service: svc(keyB, "10.96.0.2")})
+	h.none(bus.IPv4, "a third sync within the min-sync-period")
+}
+
+func TestMinSyncPeriodSpacesTheThirdSnapshot(t *testing.T) {
+	const period = 200 * time.Millisecond
+	h := start(t, coalesce.Config{MinSyncPeriod: period, Burst: 2})
+	begin := time.Now()
+	h.send(replayOf())
+	s1 := h.take(bus.IPv4)
+	h.answer(bus.IPv4, s1, true, programmed("one"))
+	h.send(bus.Change{Kind: bus.ServiceChanged, Key: keyA, Service: svc(keyA, "10.96.0.1")})
+	s2 := h.take(bus.IPv4)
+	h.answer(bus.IPv4, s2, true, programmed("two"))
+	h.send(bus.Change{Kind: bus.ServiceChanged, Key: keyB, Service: svc(keyB, "10.96.0.2")})
+	h.send(bus.Change{Kind: bus.ServiceChanged, Key: keyC, Service: svc(keyC, "10.96.0.10")})
+	s3 := h.take(bus.IPv4)
+	if waited := time.Since(begin); waited < period*3/4 {
+		t.Errorf("third snapshot came %v after the first was due; want it held back about %v", waited, period)
+	}
+	if !s3.Changed[keyB] || !s3.Changed[keyC] || s3.Changed[keyA] {
+		t.Errorf("third snapshot Changed = %v; want b and dns (a was committed)", s3.Changed)
+	}
+}
+
+func TestSnapshotsAreImmutable(t *testing.T) {
+	h := start(t, coalesce.Config{})
+	a := svc(keyA, "10.96.0.1")
+	replay := replayOf(a)
+	sl1 := slice(keyA, "a-1", "10.244.0.1")
+	replay.Replay.Slices[keyA] = map[string]*bus.EndpointSlice{"a-1": sl1}
+	h.send(replay)
+	s1 := h.take(bus.IPv4)
+
+	// Changes while s1 is in flight (sent, not yet answered).
+	h.send(bus.Change{Kind: bus.ServiceChanged, Key: keyA, Service: svc(keyA, "10.96.0.99")})
+	h.send(bus.Change{Kind: bus.ServiceChanged, Key: keyB, Service: svc(keyB, "10.96.0.2")})
+	h.send(bus.Change{Kind: bus.SliceChanged, Key: keyA, SliceName: "a-2", Slice: slice(keyA, "a-2", "10.244.0.2")})
+	h.send(bus.Change{Kind: bus.SliceChanged, Key: keyA, SliceName: "a-1", Slice: nil})
+	h.send(bus.Change{Kind: bus.SliceChanged, Key: keyB, SliceName: "b-1", Slice: slice(keyB, "b-1", "10.244.0.3")})
+	h.send(bus.Change{Kind: bus.NodeChanged, Node: &bus.Node{Name: "node-1", Deleting: true}})
+	h.send(bus.Change{Kind: bus.LocalAddrsChanged, Addrs: []netip.Addr{netip.MustParseAddr("192.168.1.1")}})
+
+	h.answer(bus.IPv4, s1, true, programmed("one"))
+	s2 := h.take(bus.IPv4)
+	// Every change was applied by now (s2 carries them all).
+	// s1 is exactly what it was when it was sent.
+	if len(s1.State.Services) != 1 || s1.State.Services[keyA] != a {
+		t.Errorf("first snapshot services changed: %v", s1.State.Services)
+	}
+	if len(s1.State.Slices) != 1 || len(s1.State.Slices[keyA]) != 1 || s1.State.Slices[keyA]["a-1"] != sl1 {
+		t.Errorf("first snapshot slices changed: %v", s1.State.Slices)
+	}
+	if s1.State.Node == nil || s1.State.Node.Deleting {
+		t.Errorf("first snapshot node changed: %+v", s1.State.Node)
+	}
+	if len(s1.State.LocalAddrs) != 0 {
+		t.Errorf("first snapshot local addresses changed: %v", s1.State.LocalAddrs)
+	}
+
+	// s2 has all of it.
+	if got := s2.State.Services[keyA].ClusterIPs[0].String(); got != "10.96.0.99" || s2.State.Services[keyB] == nil {
+		t.Errorf("second snapshot services = %v", s2.State.Services)
+	}
+	if got := s2.State.Slices[keyA]; len(got) != 1 || got["a-2"] == nil {
+		t.Errorf("second snapshot slices of a = %v; want only a-2", got)
+	}
+	if s2.State.Slices[keyB]["b-1"] == nil || !s2.State.Node.Deleting || len(s2.State.LocalAddrs) != 1 {
+		t.Errorf("second snapshot misses changes: slices %v node %+v addrs %v", s2.State.Slices, s2.State.Node, s2.State.LocalAddrs)
+	}
+
+	// And s2 stays as it is while more changes come.
+	h.send(bus.Change{Kind: bus.SliceChanged, Key: keyA, SliceName: "a-3", Slice: slice(keyA, "a-3", "10.244.0.4")})
+	h.send(bus.Change{Kind: bus.SliceChanged, Key: keyB, SliceName: "b-1", Slice: nil})
+	h.send(bus.Change{Kind: bus.ServiceChanged, Key: keyB, Service: nil})
+	h.answer(bus.IPv4, s2, true, programmed("two"))
+	s3 := h.take(bus.IPv4)
+	if got := s2.State.Slices[keyA]; len(got) != 1 || got["a-2"] == nil {
+		t.Errorf("second snapshot slices of a changed after it was sent: %v", got)
+	}
+	if s2.State.Slices[keyB]["b-1"] == nil || s2.State.Services[keyB] == nil {
+		t.Errorf("second snapshot lost b after it was sent: %v %v", s2.State.Services, s2.State.Slices)
+	}
+	if len(s3.State.Slices[keyA]) != 2 || s3.State.Slices[keyB] != nil || s3.State.Services[keyB] != nil {
+		t.Errorf("third snapshot = services %v slices %v", s3.State.Services, s3.State.Slices)
+	}
+}
+
+func TestBoardPendingSince(t *testing.T) {
+	h := start(t, coalesce.Config{})
+	pending := func() time.Time { return h.board.Read()["coalesce-ipv4"].PendingSince }
+	h.send(replayOf())
+	s1 := h.take(bus.IPv4)
+	h.answer(bus.IPv4, s1, true, programmed("one"))
+	eventually(t, "PendingSince zero after the first OK commit", func() bool {
+		_, ok := h.board.Read()["coalesce-ipv4"]
+		return ok && pending().IsZero()
+	})
+
+	before := time.Now()
+	h.send(bus.Change{Kind: bus.ServiceChanged, Key: keyA, Service: svc(keyA, "10.96.0.1")})
+	eventually(t, "PendingSince set for an uncommitted change", func() bool { return !pending().IsZero() })
+	since := pending()
+	if since.Before(before) {
+		t.Errorf("PendingSince %v is before the change was sent (%v)", since, before)
+	}
+	s2 := h.take(bus.IPv4)
+	// A second change while s2 is in flight: the oldest pending stays the first one.
+	h.send(bus.Change{Kind: bus.ServiceChanged, Key: keyB, Service: svc(keyB, "10.96.0.2")})
+	if got := pending(); !got.Equal(since) {
+		t.Errorf("PendingSince = %v after a newer change; want the oldest %v", got, since)
+	}
+	h.answer(bus.IPv4, s2, true, programmed("two"))
+	// a is committed; b is not (it came after s2 was sent).
+	eventually(t, "PendingSince moves to the change s2 did not carry", func() bool {
+		p := pending()
+		return !p.IsZero() && p.After(since)
+	})
+	s3 := h.take(bus.IPv4)
+	if !s3.Changed[keyB] || s3.Changed[keyA] {
+		t.Errorf("Changed = %v; want only b", s3.Changed)
+	}
+	h.answer(bus.IPv4, s3, true, programmed("three"))
+	eventually(t, "PendingSince zero once everything is committed", func() bool { return pending().IsZero() })
+
+	// A failed commit leaves the change pending.
+	h.send(bus.Change{Kind: bus.ServiceChanged, Key: keyC, Service: svc(keyC, "10.96.0.10")})
+	s4 := h.take(bus.IPv4)
+	h.answer(bus.IPv4, s4, false, nil)
+	time.Sleep(50 * time.Millisecond)
+	if pending().IsZero() {
+		t.Error("PendingSince zero after a failed commit; the change is not in the kernel")
+	}
+}
+
+func TestBoardPendingSinceCoversReplayUntilFirstCommit(t *testing.T) {
+	h := start(t, coalesce.Config{})
+	pending := func() time.Time { return h.board.Read()["coalesce-ipv4"].PendingSince }
+	h.send(replayOf(svc(keyA, "10.96.0.1")))
+	s1 := h.take(bus.IPv4)
+	if pending().IsZero() {
+		t.Error("PendingSince is zero while the replayed state has never been committed")
+	}
+	h.answer(bus.IPv4, s1, false, nil)
+	s2 := h.take(bus.IPv4)
+	if pending().IsZero() {
+		t.Error("PendingSince is zero after the first commit failed")
+	}
+	h.answer(bus.IPv4, s2, true, programmed("one"))
+	eventually(t, "PendingSince zero after the first OK commit", func() bool { return pending().IsZero() })
+}
+
+func TestFamiliesAreIndependent(t *testing.T) {
+	h := start(t, coalesce.Config{}, bus.IPv4, bus.IPv6)
+	h.send(replayOf(svc(keyA, "10.96.0.1")))
+	s4 := h.take(bus.IPv4)
+	s6 := h.take(bus.IPv6)
+	if !s4.Full || !s6.Full {
+		t.Fatalf("first snapshots full: v4=%v v6=%v; want both", s4.Full, s6.Full)
+	}
+	if s4 == s6 {
+		t.Fatal("both families got the same snapshot value")
+	}
+	// IPv4 commits; IPv6 stays in flight.
+	p4 := programmed("v4")
+	h.answer(bus.IPv4, s4, true, p4)
+	h.send(bus.Change{Kind: bus.ServiceChanged, Key: keyB, Service: svc(keyB, "10.96.0.2")})
+	n4 := h.take(bus.IPv4)
+	if n4.Full || n4.Committed != p4 {
+		t.Errorf("IPv4 second snapshot full=%v committed=%v; want partial on %v", n4.Full, n4.Committed, p4)
+	}
+	h.none(bus.IPv6, "IPv6 snapshot still in flight")
+
+	// IPv6 fails; IPv4 is unaffected.
+	h.answer(bus.IPv6, s6, false, nil)
+	r6 := h.take(bus.IPv6)
+	if !r6.Full || r6.State.Services[keyB] == nil {
+		t.Errorf("IPv6 retry full=%v services=%v; want full with b", r6.Full, r6.State.Services)
+	}
+	h.answer(bus.IPv4, n4, true, programmed("v4-2"))
+	h.none(bus.IPv4, "IPv4 has nothing new after IPv6 failed")
+
+	// A resync of one family does not touch the other.
+	h.fams[bus.IPv4].Resync.Raise()
+	f4 := h.take(bus.IPv4)
+	if !f4.Full {
+		t.Error("IPv4 resync snapshot is not Full")
+	}
+	h.none(bus.IPv6, "IPv6 after an IPv4 resync")
+	if _, ok := h.board.Read()["coalesce-ipv6"]; !ok {
+		t.Error("no coalesce-ipv6 report on the board")
+	}
+}
+
+func TestPeriodicFullSync(t *testing.T) {
+	h := start(t, coalesce.Config{SyncPeriod: 50 * time.Millisecond, FullSyncPeriod: 100 * time.Millisecond})
+	h.send(replayOf())
+	s1 := h.take(bus.IPv4)
+	h.answer(bus.IPv4, s1, true, programmed("one"))
+	// Nothing changes, yet a full sync comes after FullSyncPeriod.
+	s2 := h.take(bus.IPv4)
+	if !s2.Full {
+		t.Error("periodic sync after FullSyncPeriod is not Full")
+	}
+}

@@ -1,0 +1,124 @@
+package commit
+
+import (
+	"context"
+	"fmt"
+	"log/slog"
+	"os"
+	"os/exec"
+	"runtime"
+	"testing"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/vishvananda/netns"
+
+	"github.com/kpipe/kpipe/bus"
+	nf "github.com/kpipe/kpipe/netfilter"
+	"github.com/kpipe/kpipe/stages/render"
+)
+
+// BenchmarkCommit measures what a sync costs in the kernel on this host, as the
+// commit stage writes it (iptables-restore --noflush, batched), inside a throwaway
+// network namespace: a full sync into empty tables (start-up), a full sync over
+// itself (resync), and a partial sync after one service's endpoints changed.
+func BenchmarkCommit(b *testing.B) {
+	if os.Geteuid() != 0 {
+		b.Skip("needs root for a network namespace")
+	}
+	cfg := render.Config{Family: bus.IPv4, NodeName: "bench-node", MasqueradeBit: 14, DetectLocal: render.DetectClusterCIDR}
+	for _, n := range []int{1000, 10000} {
+		st := render.SyntheticState(n, 10)
+		fullPlan := render.Render(cfg, &bus.Snapshot{State: st, Full: true})
+		partial := render.Render(cfg, &bus.Snapshot{State: withOneChange(st), Committed: fullPlan.Programmed})
+		b.Run(fmt.Sprintf("services=%d/full-into-empty", n), func(b *testing.B) {
+			for b.Loop() {
+				b.StopTimer()
+				ns := newNS(b)
+				b.StartTimer()
+				inNS(b, ns, func() error { return apply(fullPlan) })
+				b.StopTimer()
+				ns.del()
+				b.StartTimer()
+			}
+			b.ReportMetric(float64(fullPlan.Tables[0].RuleCount+fullPlan.Tables[1].RuleCount), "rules")
+		})
+		ns := newNS(b)
+		inNS(b, ns, func() error { return apply(fullPlan) })
+		b.Run(fmt.Sprintf("services=%d/full-over-itself", n), func(b *testing.B) {
+			for b.Loop() {
+				inNS(b, ns, func() error { return apply(fullPlan) })
+			}
+		})
+		b.Run(fmt.Sprintf("services=%d/partial-one-service", n), func(b *testing.B) {
+			for b.Loop() {
+				inNS(b, ns, func() error { return apply(partial) })
+			}
+		})
+		ns.del()
+	}
+}
+
+func withOneChange(st bus.State) bus.State {
+	key := bus.ServiceKey{Namespace: "ns7", Name: "svc7"}
+	changed := *st.Slices[key]["svc7-1"]
+	changed.Items = changed.Items[:len(changed.Items)-1]
+	out := st
+	out.Slices = map[bus.ServiceKey]map[string]*bus.EndpointSlice{}
+	for k, v := range st.Slices {
+		out.Slices[k] = v
+	}
+	out.Slices[key] = map[string]*bus.EndpointSlice{"svc7-1": &changed}
+	return out
+}
+
+func apply(plan *bus.Plan) error {
+	rules, err := nf.NewRules(bus.IPv4)
+	if err != nil {
+		return err
+	}
+	s := NewStage(bus.IPv4, false, bus.NewMailbox[*bus.Plan](), Outputs{}, bus.NewBoard(),
+		bus.NewMetrics(prometheus.NewRegistry()), slog.New(slog.DiscardHandler))
+	return s.apply(context.Background(), rules, plan)
+}
+
+type testNS struct{ name string }
+
+func newNS(b *testing.B) testNS {
+	ns := testNS{fmt.Sprintf("kpbench-%d-%d", os.Getpid(), b.N)}
+	ns.del()
+	if out, err := exec.Command("ip", "netns", "add", ns.name).CombinedOutput(); err != nil {
+		b.Fatalf("ip netns add: %v %s", err, out)
+	}
+	b.Cleanup(ns.del)
+	return ns
+}
+
+func (ns testNS) del() { _ = exec.Command("ip", "netns", "del", ns.name).Run() }
+
+// inNS runs f on a thread switched into ns: the iptables tools it starts are
+// forked from that thread and so run inside ns.
+func inNS(b *testing.B, ns testNS, f func() error) {
+	runtime.LockOSThread()
+	defer runtime.UnlockOSThread()
+	orig, err := netns.Get()
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer orig.Close()
+	target, err := netns.GetFromName(ns.name)
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer target.Close()
+	if err := netns.Set(target); err != nil {
+		b.Fatal(err)
+	}
+	defer func() {
+		if err := netns.Set(orig); err != nil {
+			panic(err) // this thread must not go back to the pool in the wrong namespace
+		}
+	}()
+	if err := f(); err != nil {
+		b.Fatal(err)
+	}
+}

@@ -1,0 +1,42 @@
+package render
+
+import (
+	"fmt"
+	"testing"
+
+	"github.com/kpipe/kpipe/bus"
+)
+
+// BenchmarkRenderFull renders every chain of a 10k-service cluster (a full sync).
+func BenchmarkRenderFull(b *testing.B) {
+	for _, n := range []int{1000, 10000} {
+		b.Run(fmt.Sprintf("services=%d/endpoints=10", n), func(b *testing.B) {
+			st := SyntheticState(n, 10)
+			b.ReportAllocs()
+			var p *bus.Plan
+			for b.Loop() {
+				p = Render(baseConfig(), full(st))
+			}
+			b.ReportMetric(float64(p.Tables[1].RuleCount+p.Tables[0].RuleCount), "rules")
+			b.ReportMetric(float64(len(p.Tables[1].Chains)), "nat-chains")
+		})
+	}
+}
+
+// BenchmarkRenderOneEndpointChanged renders a partial sync after one service's
+// endpoints changed in a 10k-service cluster.
+func BenchmarkRenderOneEndpointChanged(b *testing.B) {
+	st := SyntheticState(10000, 10)
+	committed := Render(baseConfig(), full(st)).Programmed
+	key := bus.ServiceKey{Namespace: "ns7", Name: "svc7"}
+	old := st.Slices[key]["svc7-1"]
+	changed := *old
+	changed.Items = old.Items[:9]
+	st.Slices[key] = map[string]*bus.EndpointSlice{"svc7-1": &changed}
+	b.ReportAllocs()
+	var p *bus.Plan
+	for b.Loop() {
+		p = Render(baseConfig(), &bus.Snapshot{State: st, Committed: committed})
+	}
+	b.ReportMetric(float64(len(p.Tables[1].Chains)), "nat-chains-written")
+}
