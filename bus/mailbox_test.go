@@ -298,8 +298,8 @@ func TestMergingMailboxStaleFlows(t *testing.T) {
 		wantGone []netip.AddrPort
 	}{
 		{
-			name: "single value passes through",
-			puts: []bus.StaleFlows{{Family: bus.IPv4, Now: map[netip.AddrPort][]netip.AddrPort{a: epA}, Gone: map[netip.AddrPort]bool{b: true}}},
+			name:    "single value passes through",
+			puts:    []bus.StaleFlows{{Family: bus.IPv4, Now: map[netip.AddrPort][]netip.AddrPort{a: epA}, Gone: map[netip.AddrPort]bool{b: true}}},
 			wantNow: map[netip.AddrPort][]netip.AddrPort{a: epA}, wantGone: []netip.AddrPort{b},
 		},
 		{

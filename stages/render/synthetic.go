@@ -26,4 +26,3 @@ func SyntheticState(n, eps int) bus.State {
 	}
 	return st
 }
-

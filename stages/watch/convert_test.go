@@ -458,9 +458,9 @@ func TestConvertSliceBasics(t *testing.T) {
 		s.Ports = []discoveryv1.EndpointPort{
 			{Name: ptr("http"), Protocol: ptr(corev1.ProtocolTCP), Port: ptr(int32(8080))},
 			{Port: ptr(int32(53)), Protocol: ptr(corev1.ProtocolUDP)}, // unnamed
-			{Name: ptr("default-proto"), Port: ptr(int32(9000))},     // TCP by default
-			{Name: ptr("no-number")},                                 // dropped
-			{Name: ptr("too-big"), Port: ptr(int32(65536))},          // dropped
+			{Name: ptr("default-proto"), Port: ptr(int32(9000))},      // TCP by default
+			{Name: ptr("no-number")},                        // dropped
+			{Name: ptr("too-big"), Port: ptr(int32(65536))}, // dropped
 		}
 		s.Endpoints = []discoveryv1.Endpoint{{Addresses: []string{"10.244.0.5"}, NodeName: ptr("node-1"), Zone: ptr("zone-a")}}
 	}))
