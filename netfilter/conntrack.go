@@ -66,14 +66,16 @@ func (s StaleUDP) stale(f conntrack.Flow) bool {
 	// Who actually answers: the reply tuple's source (the endpoint after DNAT, or the
 	// front-end itself when nothing translated it).
 	answerer := netip.AddrPortFrom(f.TupleReply.IP.SourceAddress.Unmap(), f.TupleReply.Proto.SourcePort)
-	frontEnd := dst
+	// Node ports are front-ends only on this host's addresses, whether they exist
+	// now or went away: a flow to a remote address on the same port is not ours.
+	local := s.IsLocal != nil && s.IsLocal(dst.Addr())
+	nodePort := netip.AddrPortFrom(unspecified(s.Family), dst.Port())
 	endpoints, ok := s.Now[dst]
-	if !ok && s.IsLocal != nil && s.IsLocal(dst.Addr()) {
-		frontEnd = netip.AddrPortFrom(unspecified(s.Family), dst.Port())
-		endpoints, ok = s.Now[frontEnd]
+	if !ok && local {
+		endpoints, ok = s.Now[nodePort]
 	}
 	if !ok {
-		return s.Gone[dst] || s.Gone[netip.AddrPortFrom(unspecified(s.Family), dst.Port())]
+		return s.Gone[dst] || (local && s.Gone[nodePort])
 	}
 	for _, ep := range endpoints {
 		if ep == answerer {

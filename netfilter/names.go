@@ -32,9 +32,9 @@ const (
 	ChainCanary           = "KUBE-PROXY-CANARY"
 )
 
-// Prefixes of the per-service-port chains. KUBE-SEP- is not used by kpipe (it writes
-// endpoints inline in the service chain) but is cleaned up when found, so a node
-// taken over from kube-proxy does not keep its per-endpoint chains.
+// Prefixes of the per-service-port chains. kpipe writes a KUBE-SEP- chain only for
+// endpoints on this node (remote endpoints are inline DNAT rules); the ones
+// kube-proxy left for remote endpoints are deleted by the first full sync.
 const (
 	PrefixService       = "KUBE-SVC-"
 	PrefixServiceLocal  = "KUBE-SVL-"
@@ -54,8 +54,8 @@ func ServiceChain(prefix string, port bus.ServicePortName) string {
 	return prefix + hash16(port.String()+string(port.Protocol))
 }
 
-// EndpointName names an endpoint of a service port, for the xt_recent list that
-// implements session affinity (kube-proxy names it after the KUBE-SEP- chain).
+// EndpointName names an endpoint of a service port: its KUBE-SEP- chain when it has
+// one, and the xt_recent list that implements session affinity.
 func EndpointName(port bus.ServicePortName, endpoint string) string {
 	return PrefixEndpoint + hash16(port.String()+string(port.Protocol)+endpoint)
 }

@@ -146,17 +146,22 @@ func (s *Stage) apply(ctx context.Context, rules *nf.Rules, plan *bus.Plan) erro
 }
 
 // splitChains separates per-service chains, ordered so that each only jumps to
-// chains before it (service and local-policy chains, then external, then
-// firewall), from the top-level chains.
+// chains before it (KUBE-MARK-MASQ, which they jump to and which a fresh node does
+// not have yet, then endpoint chains, then service and local-policy chains, then
+// external, then firewall), from the top-level chains.
 func splitChains(chains []bus.Chain) (services, top []bus.Chain) {
 	rank := func(name string) int {
 		switch {
-		case strings.HasPrefix(name, nf.PrefixService), strings.HasPrefix(name, nf.PrefixServiceLocal):
+		case name == nf.ChainMarkMasq:
 			return 0
-		case strings.HasPrefix(name, nf.PrefixExternal):
+		case strings.HasPrefix(name, nf.PrefixEndpoint):
 			return 1
-		case strings.HasPrefix(name, nf.PrefixFirewall):
+		case strings.HasPrefix(name, nf.PrefixService), strings.HasPrefix(name, nf.PrefixServiceLocal):
 			return 2
+		case strings.HasPrefix(name, nf.PrefixExternal):
+			return 3
+		case strings.HasPrefix(name, nf.PrefixFirewall):
+			return 4
 		}
 		return -1
 	}

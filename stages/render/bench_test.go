@@ -17,8 +17,8 @@ func BenchmarkRenderFull(b *testing.B) {
 			for b.Loop() {
 				p = Render(baseConfig(), full(st))
 			}
-			b.ReportMetric(float64(p.Tables[1].RuleCount+p.Tables[0].RuleCount), "rules")
-			b.ReportMetric(float64(len(p.Tables[1].Chains)), "nat-chains")
+			b.ReportMetric(float64(p.Tables[0].RuleCount+p.Tables[1].RuleCount), "rules")
+			b.ReportMetric(float64(len(p.Tables[0].Chains)), "nat-chains")
 		})
 	}
 }
@@ -38,5 +38,5 @@ func BenchmarkRenderOneEndpointChanged(b *testing.B) {
 	for b.Loop() {
 		p = Render(baseConfig(), &bus.Snapshot{State: st, Committed: committed})
 	}
-	b.ReportMetric(float64(len(p.Tables[1].Chains)), "nat-chains-written")
+	b.ReportMetric(float64(len(p.Tables[0].Chains)), "nat-chains-written")
 }

@@ -419,29 +419,29 @@ func (r *renderer) writeRules(sp *servicePort) {
 // iptables-restore --noflush on nf_tables costs much more per chain than per rule.
 func (r *renderer) writeEndpoints(sp *servicePort, chain string, eps []endpoint) {
 	r.nat.declare(chain)
-	// Hairpin: a pod that reaches its own service may be sent back to itself, and the
-	// reply would then bypass the node; masquerade traffic from the service's own
-	// endpoints on this node (only local pods' traffic is DNATed here) so it comes
-	// back through the node.
-	for _, e := range eps {
-		if e.local {
-			r.nat.rule(chain, comment(sp.label+" hairpin"), []string{"-s", hostCIDR(e.addr.Addr()), "-j", nf.ChainMarkMasq})
-		}
-	}
 	affinity := sp.svc.AffinitySeconds > 0
-	dnat := make([][]string, len(eps))
+	// Each endpoint is either an inline DNAT or, for an endpoint on this node, a jump
+	// to its own KUBE-SEP- chain: only a local pod can be sent back to itself
+	// (hairpin), and only that case must be masqueraded, so the reply comes back
+	// through the node. Remote endpoints need no chain: iptables-restore --noflush
+	// on nf_tables costs much more per chain than per rule.
+	target := make([][]string, len(eps))
 	recent := make([]string, len(eps))
 	for i, e := range eps {
-		dnat[i] = []string{"-j", "DNAT", "--to-destination", e.addr.String()}
-		if affinity {
-			recent[i] = nf.EndpointName(sp.name, e.addr.String())
+		sep := nf.EndpointName(sp.name, e.addr.String())
+		recent[i] = sep // kube-proxy names the affinity list after the endpoint chain
+		if e.local {
+			r.writeEndpointChain(sp, sep, e, affinity)
+			target[i] = []string{"-j", sep}
+		} else {
+			target[i] = []string{"-j", "DNAT", "--to-destination", e.addr.String()}
 		}
 	}
 	if affinity {
 		secs := strconv.Itoa(int(sp.svc.AffinitySeconds))
 		for i, e := range eps {
 			r.nat.rule(chain, comment(sp.label+" -> "+e.addr.String()),
-				[]string{"-m", "recent", "--name", recent[i], "--rcheck", "--seconds", secs, "--reap"}, sp.proto, dnat[i])
+				[]string{"-m", "recent", "--name", recent[i], "--rcheck", "--seconds", secs, "--reap"}, sp.proto, target[i])
 		}
 	}
 	for i, e := range eps {
@@ -449,11 +449,26 @@ func (r *renderer) writeEndpoints(sp *servicePort, chain string, eps []endpoint)
 		if n := len(eps) - i; n > 1 {
 			pick = []string{"-m", "statistic", "--mode", "random", "--probability", probability(n)}
 		}
-		if affinity {
+		if affinity && !e.local {
 			set = []string{"-m", "recent", "--name", recent[i], "--set"}
 		}
-		r.nat.rule(chain, comment(sp.label+" -> "+e.addr.String()), pick, set, sp.proto, dnat[i])
+		r.nat.rule(chain, comment(sp.label+" -> "+e.addr.String()), pick, set, sp.proto, target[i])
 	}
+}
+
+// writeEndpointChain writes the KUBE-SEP- chain of a local endpoint (once, even when
+// both the cluster and the local policy chain use it).
+func (r *renderer) writeEndpointChain(sp *servicePort, sep string, e endpoint, affinity bool) {
+	if _, done := r.nat.rules[sep]; done {
+		return
+	}
+	label := comment(sp.label)
+	r.nat.rule(sep, label, []string{"-s", hostCIDR(e.addr.Addr()), "-j", nf.ChainMarkMasq})
+	var set []string
+	if affinity {
+		set = []string{"-m", "recent", "--name", sep, "--set"}
+	}
+	r.nat.rule(sep, label, set, sp.proto, []string{"-j", "DNAT", "--to-destination", e.addr.String()})
 }
 
 func probability(n int) string { return fmt.Sprintf("%0.10f", 1.0/float64(n)) }
@@ -580,7 +595,9 @@ func (r *renderer) plan() *bus.Plan {
 	if r.snap.Committed != nil {
 		committed = r.snap.Committed.Chains
 	}
-	for _, t := range []*table{r.filter, r.nat} {
+	// nat before filter: when a service gets its first endpoints, its DNAT is in
+	// place before its REJECT goes, so no connection falls between the two.
+	for _, t := range []*table{r.nat, r.filter} {
 		tp := bus.TablePayload{Table: t.name}
 		for _, chain := range t.order {
 			key := t.name + "/" + chain

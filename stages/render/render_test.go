@@ -135,8 +135,9 @@ func TestPartialSync(t *testing.T) {
 		t.Fatal("second plan is full")
 	}
 	bChain := nf.ServiceChain(nf.PrefixService, b.PortName(b.Ports[0]))
-	if got := declared(second, "nat"); !slices.Equal(got, []string{bChain}) {
-		t.Errorf("nat chains rewritten = %v, want only %s", got, bChain)
+	sep6, sep7 := nf.EndpointName(b.PortName(b.Ports[0]), "10.244.1.6:8080"), nf.EndpointName(b.PortName(b.Ports[0]), "10.244.1.7:8080")
+	if got := declared(second, "nat"); !slices.Equal(got, []string{bChain, sep7}) {
+		t.Errorf("nat chains rewritten = %v, want only %s and the new local endpoint's %s", got, bChain, sep7)
 	}
 	if got := declared(second, "filter"); len(got) != 0 {
 		t.Errorf("filter chains rewritten = %v, want none", got)
@@ -147,8 +148,10 @@ func TestPartialSync(t *testing.T) {
 
 	third := Render(cfg, &bus.Snapshot{Generation: 3, State: state(node(), a, aEPs), Committed: second.Programmed})
 	nat := tableOf(third, "nat")
-	if !slices.Equal(nat.Delete, []string{bChain}) {
-		t.Errorf("deleted chains = %v, want [%s]", nat.Delete, bChain)
+	wantDeleted := []string{bChain, sep6, sep7}
+	slices.Sort(wantDeleted)
+	if !slices.Equal(nat.Delete, wantDeleted) {
+		t.Errorf("deleted chains = %v, want %v", nat.Delete, wantDeleted)
 	}
 	if !slices.Contains(declared(third, "nat"), nf.ChainServices) {
 		t.Errorf("KUBE-SERVICES not rewritten after a delete: %v", declared(third, "nat"))

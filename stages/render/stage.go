@@ -35,7 +35,7 @@ func (s *Stage) Run(ctx context.Context) error {
 		plan := Render(s.cfg, snap)
 		plan.Started = start
 		s.log.Debug("rendered", "generation", plan.Generation, "full", plan.Full, "took", time.Since(start),
-			"nat_chains", len(plan.Tables[1].Chains), "filter_chains", len(plan.Tables[0].Chains))
+			"nat_chains", len(plan.Tables[0].Chains), "filter_chains", len(plan.Tables[1].Chains))
 		s.out.Put(plan)
 	}
 }
