@@ -556,7 +556,9 @@ func TestFamiliesAreIndependent(t *testing.T) {
 	h.answer(bus.IPv4, n4, true, programmed("v4-2"))
 	h.none(bus.IPv4, "IPv4 has nothing new after IPv6 failed")
 
-	// A resync of one family does not touch the other.
+	// A resync of one family does not touch the other (idle) one.
+	h.answer(bus.IPv6, r6, true, programmed("v6"))
+	h.none(bus.IPv6, "IPv6 after its retry was committed")
 	h.fams[bus.IPv4].Resync.Raise()
 	f4 := h.take(bus.IPv4)
 	if !f4.Full {

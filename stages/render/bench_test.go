@@ -2,6 +2,7 @@ package render
 
 import (
 	"fmt"
+	"maps"
 	"testing"
 
 	"github.com/kpipe/kpipe/bus"
@@ -24,19 +25,25 @@ func BenchmarkRenderFull(b *testing.B) {
 }
 
 // BenchmarkRenderOneEndpointChanged renders a partial sync after one service's
-// endpoints changed in a 10k-service cluster.
+// endpoints changed in a 10k-service cluster, as the render stage does: with its
+// cache of the services that did not change.
 func BenchmarkRenderOneEndpointChanged(b *testing.B) {
 	st := SyntheticState(10000, 10)
-	committed := Render(baseConfig(), full(st)).Programmed
+	rr := NewRenderer(baseConfig())
+	committed := rr.Render(full(st)).Programmed
 	key := bus.ServiceKey{Namespace: "ns7", Name: "svc7"}
-	old := st.Slices[key]["svc7-1"]
-	changed := *old
-	changed.Items = old.Items[:9]
-	st.Slices[key] = map[string]*bus.EndpointSlice{"svc7-1": &changed}
+	states := [2]bus.State{st, st}
+	states[1].Slices = maps.Clone(st.Slices)
+	changed := *st.Slices[key]["svc7-1"]
+	changed.Items = changed.Items[:9]
+	states[1].Slices[key] = map[string]*bus.EndpointSlice{"svc7-1": &changed}
 	b.ReportAllocs()
 	var p *bus.Plan
+	i := 0
 	for b.Loop() {
-		p = Render(baseConfig(), &bus.Snapshot{State: st, Committed: committed})
+		i++
+		p = rr.Render(&bus.Snapshot{State: states[i%2], Committed: committed})
+		committed = p.Programmed
 	}
 	b.ReportMetric(float64(len(p.Tables[0].Chains)), "nat-chains-written")
 }

@@ -53,16 +53,98 @@ func (c Config) LocalhostNodePortsActive() bool {
 // Render computes the plan for snap. Chains whose rules are unchanged since
 // snap.Committed are left out unless the snapshot asks for a full sync.
 func Render(cfg Config, snap *bus.Snapshot) *bus.Plan {
-	r := newRenderer(cfg, snap)
+	return NewRenderer(cfg).Render(snap)
+}
+
+// Renderer renders the snapshots of one family, keeping each service's rules from
+// one snapshot to the next: a service whose Service and EndpointSlices are the same
+// values as before (coalesce replaces a value when it changes) is not rendered
+// again. Its plans are exactly Render's.
+type Renderer struct {
+	cfg   Config
+	node  *bus.Node
+	cache map[bus.ServiceKey]*cachedService
+}
+
+// cachedService is one service rendered on its own.
+type cachedService struct {
+	svc    *bus.Service
+	slices []*bus.EndpointSlice
+	r      *renderer
+}
+
+// NewRenderer makes a renderer with an empty cache.
+func NewRenderer(cfg Config) *Renderer {
+	return &Renderer{cfg: cfg, cache: map[bus.ServiceKey]*cachedService{}}
+}
+
+// Render computes the plan for snap.
+func (rr *Renderer) Render(snap *bus.Snapshot) *bus.Plan {
+	if snap.State.Node != rr.node {
+		// Zone, pod CIDRs and node IPs shape every service's rules.
+		rr.node, rr.cache = snap.State.Node, map[bus.ServiceKey]*cachedService{}
+	}
+	r := newRenderer(rr.cfg, snap)
 	r.writeFixedChains()
+	seen := make(map[bus.ServiceKey]bool, len(snap.State.Services))
 	for _, key := range sortedServiceKeys(snap.State.Services) {
+		seen[key] = true
 		svc := snap.State.Services[key]
-		for _, port := range svc.Ports {
-			r.writeServicePort(svc, port)
+		slices := sliceList(snap.State.Slices[key])
+		c := rr.cache[key]
+		if c == nil || c.svc != svc || !samePointers(c.slices, slices) {
+			one := newRenderer(rr.cfg, snap)
+			for _, port := range svc.Ports {
+				one.writeServicePort(svc, port)
+			}
+			one.snap = nil // the cache must not keep old snapshots alive
+			c = &cachedService{svc: svc, slices: slices, r: one}
+			rr.cache[key] = c
+		}
+		r.merge(c.r)
+	}
+	for key := range rr.cache {
+		if !seen[key] {
+			delete(rr.cache, key)
 		}
 	}
 	r.writeNodePortsTail()
 	return r.plan()
+}
+
+func sliceList(m map[string]*bus.EndpointSlice) []*bus.EndpointSlice {
+	out := make([]*bus.EndpointSlice, 0, len(m))
+	for _, name := range sortedKeys(m) {
+		out = append(out, m[name])
+	}
+	return out
+}
+
+func samePointers(a, b []*bus.EndpointSlice) bool {
+	if len(a) != len(b) {
+		return false
+	}
+	for i := range a {
+		if a[i] != b[i] {
+			return false
+		}
+	}
+	return true
+}
+
+// merge adds one service's rendering to r.
+func (r *renderer) merge(one *renderer) {
+	r.nat.merge(one.nat)
+	r.filter.merge(one.filter)
+	for k, v := range one.udp {
+		r.udp[k] = v
+	}
+	for k, v := range one.checks {
+		r.checks[k] = v
+	}
+	for k, v := range one.noLocal {
+		r.noLocal[k] += v
+	}
 }
 
 func sortedServiceKeys(m map[bus.ServiceKey]*bus.Service) []bus.ServiceKey {
@@ -83,19 +165,30 @@ func sortedServiceKeys(m map[bus.ServiceKey]*bus.Service) []bus.ServiceKey {
 type table struct {
 	name   string
 	order  []string
-	rules  map[string]*strings.Builder
-	counts map[string]int
+	chains map[string]*chainText
+}
+
+// chainText is one chain's rules: built here, or adopted whole (with its hash)
+// from a cached service.
+type chainText struct {
+	b      strings.Builder
+	count  int
+	hash   uint64
+	hashed bool
 }
 
 func newTable(name string) *table {
-	return &table{name: name, rules: map[string]*strings.Builder{}, counts: map[string]int{}}
+	return &table{name: name, chains: map[string]*chainText{}}
 }
 
-func (t *table) declare(chain string) {
-	if _, ok := t.rules[chain]; !ok {
+func (t *table) declare(chain string) *chainText {
+	c, ok := t.chains[chain]
+	if !ok {
+		c = &chainText{}
 		t.order = append(t.order, chain)
-		t.rules[chain] = &strings.Builder{}
+		t.chains[chain] = c
 	}
+	return c
 }
 
 // add appends "-A chain args..." to chain.
@@ -103,18 +196,46 @@ func (t *table) add(chain string, args ...string) { t.rule(chain, args) }
 
 // rule appends "-A chain" and every part's words to chain.
 func (t *table) rule(chain string, parts ...[]string) {
-	t.declare(chain)
-	b := t.rules[chain]
-	b.WriteString("-A ")
-	b.WriteString(chain)
+	c := t.declare(chain)
+	c.b.WriteString("-A ")
+	c.b.WriteString(chain)
 	for _, p := range parts {
 		for _, a := range p {
-			b.WriteByte(' ')
-			b.WriteString(a)
+			c.b.WriteByte(' ')
+			c.b.WriteString(a)
 		}
 	}
-	b.WriteByte('\n')
-	t.counts[chain]++
+	c.b.WriteByte('\n')
+	c.count++
+}
+
+// sum returns the chain's hash, computing it once.
+func (c *chainText) sum() uint64 {
+	if !c.hashed {
+		h := fnv.New64a()
+		h.Write([]byte(c.b.String()))
+		c.hash, c.hashed = h.Sum64(), true
+	}
+	return c.hash
+}
+
+// merge appends another table's chains: shared top-level chains get the other
+// table's rules appended, per-service chains are taken over whole.
+func (t *table) merge(o *table) {
+	for _, name := range o.order {
+		oc := o.chains[name]
+		if nf.IsOwned(name) {
+			if _, dup := t.chains[name]; !dup {
+				t.order = append(t.order, name)
+			}
+			oc.sum()
+			t.chains[name] = oc
+			continue
+		}
+		c := t.declare(name)
+		c.b.WriteString(oc.b.String())
+		c.count += oc.count
+	}
 }
 
 type renderer struct {
@@ -129,7 +250,6 @@ type renderer struct {
 	udp        map[netip.AddrPort][]netip.AddrPort
 	checks     map[bus.ServiceKey]bus.HealthCheck
 	noLocal    map[string]int
-	skipped    int
 }
 
 func newRenderer(cfg Config, snap *bus.Snapshot) *renderer {
@@ -459,7 +579,7 @@ func (r *renderer) writeEndpoints(sp *servicePort, chain string, eps []endpoint)
 // writeEndpointChain writes the KUBE-SEP- chain of a local endpoint (once, even when
 // both the cluster and the local policy chain use it).
 func (r *renderer) writeEndpointChain(sp *servicePort, sep string, e endpoint, affinity bool) {
-	if _, done := r.nat.rules[sep]; done {
+	if _, done := r.nat.chains[sep]; done {
 		return
 	}
 	label := comment(sp.label)
@@ -588,7 +708,7 @@ func (r *renderer) plan() *bus.Plan {
 		Family: r.cfg.Family, Generation: r.snap.Generation, QueuedAt: r.snap.QueuedAt,
 		Full:       r.snap.Full || r.snap.Committed == nil,
 		Programmed: &bus.Programmed{Chains: map[string]uint64{}, UDP: r.udp},
-		Skipped:    r.skipped, HealthChecks: bus.HealthChecks{Family: r.cfg.Family, Services: r.checks},
+		HealthChecks: bus.HealthChecks{Family: r.cfg.Family, Services: r.checks},
 		NoLocalEndpoints: r.noLocal,
 	}
 	var committed map[string]uint64
@@ -601,18 +721,16 @@ func (r *renderer) plan() *bus.Plan {
 		tp := bus.TablePayload{Table: t.name}
 		for _, chain := range t.order {
 			key := t.name + "/" + chain
-			text := t.rules[chain].String()
-			h := fnv.New64a()
-			h.Write([]byte(text))
-			sum := h.Sum64()
+			c := t.chains[chain]
+			sum := c.sum()
 			p.Programmed.Chains[key] = sum
-			tp.RuleCount += t.counts[chain]
+			tp.RuleCount += c.count
 			if !p.Full {
 				if old, ok := committed[key]; ok && old == sum {
 					continue
 				}
 			}
-			tp.Chains = append(tp.Chains, bus.Chain{Name: chain, Rules: []byte(text)})
+			tp.Chains = append(tp.Chains, bus.Chain{Name: chain, Rules: []byte(c.b.String())})
 		}
 		for key := range committed {
 			table, chain, _ := strings.Cut(key, "/")

@@ -26,13 +26,14 @@ func NewStage(cfg Config, in *bus.Mailbox[*bus.Snapshot], out *bus.Mailbox[*bus.
 func (s *Stage) Run(ctx context.Context) error {
 	// A snapshot taken by a previous run that crashed is lost: ask for a new one.
 	s.resync.Raise()
+	renderer := NewRenderer(s.cfg)
 	for {
 		snap, err := s.in.Take(ctx)
 		if err != nil {
 			return nil
 		}
 		start := time.Now()
-		plan := Render(s.cfg, snap)
+		plan := renderer.Render(snap)
 		plan.Started = start
 		s.log.Debug("rendered", "generation", plan.Generation, "full", plan.Full, "took", time.Since(start),
 			"nat_chains", len(plan.Tables[0].Chains), "filter_chains", len(plan.Tables[1].Chains))

@@ -1,0 +1,71 @@
+package render
+
+import (
+	"fmt"
+	"maps"
+	"math/rand/v2"
+	"net/netip"
+	"testing"
+
+	"github.com/kpipe/kpipe/bus"
+)
+
+// TestRendererCacheMatchesFreshRender drives a Renderer through random changes the
+// way coalesce makes them (a changed object is a new value) and checks that every
+// plan equals what a fresh Render of the same snapshot gives.
+func TestRendererCacheMatchesFreshRender(t *testing.T) {
+	rnd := rand.New(rand.NewPCG(1, 2))
+	cfg := baseConfig()
+	st := SyntheticState(40, 3)
+	st.Node = node()
+	rr := NewRenderer(cfg)
+	var committed *bus.Programmed
+	for step := range 300 {
+		st = mutate(rnd, st, step)
+		snap := &bus.Snapshot{Generation: uint64(step), State: st, Committed: committed, Full: step%50 == 0}
+		got, want := rr.Render(snap), Render(cfg, snap)
+		if g, w := payload(got), payload(want); g != w {
+			t.Fatalf("step %d: cached render differs from a fresh one:\n%s", step, diff(w, g))
+		}
+		if !maps.Equal(got.Programmed.Chains, want.Programmed.Chains) {
+			t.Fatalf("step %d: programmed chains differ", step)
+		}
+		committed = got.Programmed
+	}
+}
+
+// mutate returns a new state with one random change, sharing everything else.
+func mutate(rnd *rand.Rand, st bus.State, step int) bus.State {
+	out := st
+	out.Services = maps.Clone(st.Services)
+	out.Slices = maps.Clone(st.Slices)
+	key := bus.ServiceKey{Namespace: fmt.Sprintf("ns%d", rnd.IntN(40)%100), Name: fmt.Sprintf("svc%d", rnd.IntN(40))}
+	switch rnd.IntN(6) {
+	case 0: // delete the service
+		delete(out.Services, key)
+	case 1: // (re)create it with other features
+		s := &bus.Service{ServiceKey: key, ClusterIPs: []netip.Addr{netip.AddrFrom4([4]byte{10, 96, 1, byte(step)})},
+			Ports: []bus.Port{{Name: "http", Protocol: bus.TCP, Port: 80, NodePort: int32(30000 + step)}}}
+		s.ExternalPolicyLocal = rnd.IntN(2) == 0
+		s.AffinitySeconds = int32(rnd.IntN(2) * 60)
+		out.Services[key] = s
+	case 2, 3: // new endpoints, some local
+		sl := &bus.EndpointSlice{Service: key, Name: key.Name + "-1", Family: bus.IPv4,
+			Ports: []bus.EndpointPort{{Name: "http", Protocol: bus.TCP, Port: 8080}, {Name: "dns", Protocol: bus.UDP, Port: 5353}}}
+		for i := range rnd.IntN(4) {
+			nodeName := "node-b"
+			if rnd.IntN(2) == 0 {
+				nodeName = testNode
+			}
+			sl.Items = append(sl.Items, bus.Endpoint{Addr: netip.AddrFrom4([4]byte{10, 244, byte(step), byte(i)}), Ready: rnd.IntN(4) > 0, Serving: true, Terminating: rnd.IntN(4) == 0, NodeName: nodeName})
+		}
+		out.Slices[key] = map[string]*bus.EndpointSlice{sl.Name: sl}
+	case 4: // endpoints gone
+		delete(out.Slices, key)
+	case 5: // the node changed (zone)
+		n := *st.Node
+		n.Zone = fmt.Sprintf("zone-%d", rnd.IntN(2))
+		out.Node = &n
+	}
+	return out
+}
