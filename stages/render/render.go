@@ -706,9 +706,9 @@ func (r *renderer) nodePortIPs() []netip.Addr {
 func (r *renderer) plan() *bus.Plan {
 	p := &bus.Plan{
 		Family: r.cfg.Family, Generation: r.snap.Generation, QueuedAt: r.snap.QueuedAt,
-		Full:       r.snap.Full || r.snap.Committed == nil,
-		Programmed: &bus.Programmed{Chains: map[string]uint64{}, UDP: r.udp},
-		HealthChecks: bus.HealthChecks{Family: r.cfg.Family, Services: r.checks},
+		Full:             r.snap.Full || r.snap.Committed == nil,
+		Programmed:       &bus.Programmed{Chains: map[string]uint64{}, UDP: r.udp},
+		HealthChecks:     bus.HealthChecks{Family: r.cfg.Family, Services: r.checks},
 		NoLocalEndpoints: r.noLocal,
 	}
 	var committed map[string]uint64
