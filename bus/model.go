@@ -4,10 +4,7 @@
 // Every value here is immutable once sent.
 package bus
 
-import (
-	"fmt"
-	"net/netip"
-)
+import "net/netip"
 
 // Protocol is a Service port protocol as the API spells it.
 type Protocol string
@@ -53,8 +50,13 @@ type ServicePortName struct {
 	Protocol Protocol
 }
 
+// String is "namespace/name:port", or "namespace/name" for an unnamed port, as
+// kube-proxy writes it in rule comments and hashes it into chain names.
 func (p ServicePortName) String() string {
-	return fmt.Sprintf("%s/%s:%s", p.Namespace, p.Name, p.Port)
+	if p.Port == "" {
+		return p.Namespace + "/" + p.Name
+	}
+	return p.Namespace + "/" + p.Name + ":" + p.Port
 }
 
 // Service is the part of a v1.Service that a node proxy acts on, already validated:

@@ -6,6 +6,7 @@ package netfilter
 import (
 	"crypto/sha256"
 	"encoding/base32"
+	"strings"
 
 	"github.com/kpipe/kpipe/bus"
 )
@@ -49,15 +50,17 @@ const (
 var OwnedPrefixes = []string{PrefixService, PrefixServiceLocal, PrefixExternal, PrefixFirewall, PrefixEndpoint, prefixLegacyXLB}
 
 // ServiceChain names the chain of one service port: prefix plus a hash of the
-// port's name and protocol, the way kube-proxy names its KUBE-SVC- chains.
+// port's name and protocol, exactly as kube-proxy names its KUBE-SVC- chains, so a
+// node switched between the two keeps the same chains.
 func ServiceChain(prefix string, port bus.ServicePortName) string {
-	return prefix + hash16(port.String()+string(port.Protocol))
+	return prefix + hash16(port.String()+strings.ToLower(string(port.Protocol)))
 }
 
 // EndpointName names an endpoint of a service port: its KUBE-SEP- chain when it has
-// one, and the xt_recent list that implements session affinity.
+// one, and the xt_recent list that implements session affinity (as kube-proxy
+// names them).
 func EndpointName(port bus.ServicePortName, endpoint string) string {
-	return PrefixEndpoint + hash16(port.String()+string(port.Protocol)+endpoint)
+	return PrefixEndpoint + hash16(port.String()+strings.ToLower(string(port.Protocol))+endpoint)
 }
 
 func hash16(s string) string {

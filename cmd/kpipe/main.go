@@ -28,7 +28,12 @@ func run(args []string) int {
 		Short:         "Kubernetes node service proxy (kube-proxy iptables mode, as a supervised pipeline)",
 		SilenceUsage:  true,
 		SilenceErrors: true,
-		Args:          cobra.NoArgs,
+		Args: func(_ *cobra.Command, args []string) error {
+			if len(args) > 0 {
+				return usagef("unexpected arguments %q: kpipe takes only flags", args)
+			}
+			return nil
+		},
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			if err := opts.complete(); err != nil {
 				return err

@@ -108,6 +108,37 @@ func (tb *Testbed) UpdateService(ctx context.Context, ns, name string, mutate fu
 	}
 }
 
+// SetLoadBalancerIngress sets status.loadBalancer.ingress of a service (what a
+// cloud controller would do) and returns the service as stored.
+func (tb *Testbed) SetLoadBalancerIngress(ctx context.Context, ns, name string, ingress ...corev1.LoadBalancerIngress) (*corev1.Service, error) {
+	api := tb.client.CoreV1().Services(ns)
+	for i := 0; ; i++ {
+		svc, err := api.Get(ctx, name, metav1.GetOptions{})
+		if err != nil {
+			return nil, fmt.Errorf("get service %s/%s: %w", ns, name, err)
+		}
+		svc.Status.LoadBalancer.Ingress = ingress
+		out, err := api.UpdateStatus(ctx, svc, metav1.UpdateOptions{})
+		if apierrors.IsConflict(err) && i < 5 {
+			continue
+		}
+		if err != nil {
+			return nil, fmt.Errorf("update status of service %s/%s: %w", ns, name, err)
+		}
+		return out, nil
+	}
+}
+
+// LBIngressIP is a load-balancer ingress entry for ip; mode "" leaves
+// ipMode unset (the API then means VIP).
+func LBIngressIP(ip string, mode corev1.LoadBalancerIPMode) corev1.LoadBalancerIngress {
+	ing := corev1.LoadBalancerIngress{IP: ip}
+	if mode != "" {
+		ing.IPMode = ptr.To(mode)
+	}
+	return ing
+}
+
 // DeleteService deletes a service.
 func (tb *Testbed) DeleteService(ctx context.Context, ns, name string) error {
 	if err := tb.client.CoreV1().Services(ns).Delete(ctx, name, metav1.DeleteOptions{}); err != nil {
@@ -125,6 +156,8 @@ type Endpoint struct {
 	// NodeName defaults to the test bed's node.
 	NodeName string
 	Zone     string
+	// HintZones, when set, become the endpoint's hints.forZones.
+	HintZones []string
 }
 
 // ReadyEndpoints are ready, serving endpoints for pods (1-based numbers), IPv4.
@@ -197,6 +230,12 @@ func EndpointSlice(svc *corev1.Service, name string, eps []Endpoint) *discoveryv
 		if e.Zone != "" {
 			ep.Zone = ptr.To(e.Zone)
 		}
+		if len(e.HintZones) > 0 {
+			ep.Hints = &discoveryv1.EndpointHints{}
+			for _, z := range e.HintZones {
+				ep.Hints.ForZones = append(ep.Hints.ForZones, discoveryv1.ForZone{Name: z})
+			}
+		}
 		slice.Endpoints = append(slice.Endpoints, ep)
 	}
 	return slice
@@ -254,4 +293,78 @@ func ClusterAddr(svc *corev1.Service, port int32) string {
 
 // ServiceComment is how kpipe's rules name a service port in iptables
 // comments: "<namespace>/<name>:<portname>".
-func ServiceComment(ns, name, port string) string { return ns + "/" + name + ":" + port }
+func ServiceComment(ns, name, port string) string {
+	if port == "" {
+		return ns + "/" + name
+	}
+	return ns + "/" + name + ":" + port
+}
+
+// NodePortOf is the nodePort the apiserver allocated to the port of svc named
+// port (0 when there is none).
+func NodePortOf(svc *corev1.Service, port string) int32 {
+	for _, p := range svc.Spec.Ports {
+		if p.Name == port {
+			return p.NodePort
+		}
+	}
+	return 0
+}
+
+// HostPort is "ip:port" ("[ip]:port" for IPv6).
+func HostPort(ip string, port int32) string { return joinHostPort(ip, int(port)) }
+
+// GetNode returns the test bed's Node object.
+func (tb *Testbed) GetNode(ctx context.Context) (*corev1.Node, error) {
+	n, err := tb.client.CoreV1().Nodes().Get(ctx, NodeName, metav1.GetOptions{})
+	if err != nil {
+		return nil, fmt.Errorf("get node %s: %w", NodeName, err)
+	}
+	return n, nil
+}
+
+// UpdateNode changes the test bed's Node object (metadata and spec) with
+// mutate, retrying on conflicts.
+func (tb *Testbed) UpdateNode(ctx context.Context, mutate func(*corev1.Node)) (*corev1.Node, error) {
+	return tb.updateNode(ctx, false, mutate)
+}
+
+// UpdateNodeStatus changes the status of the test bed's Node object (e.g. its
+// addresses) with mutate, retrying on conflicts.
+func (tb *Testbed) UpdateNodeStatus(ctx context.Context, mutate func(*corev1.Node)) (*corev1.Node, error) {
+	return tb.updateNode(ctx, true, mutate)
+}
+
+func (tb *Testbed) updateNode(ctx context.Context, status bool, mutate func(*corev1.Node)) (*corev1.Node, error) {
+	api := tb.client.CoreV1().Nodes()
+	for i := 0; ; i++ {
+		n, err := api.Get(ctx, NodeName, metav1.GetOptions{})
+		if err != nil {
+			return nil, fmt.Errorf("get node %s: %w", NodeName, err)
+		}
+		mutate(n)
+		var out *corev1.Node
+		if status {
+			out, err = api.UpdateStatus(ctx, n, metav1.UpdateOptions{})
+		} else {
+			out, err = api.Update(ctx, n, metav1.UpdateOptions{})
+		}
+		if apierrors.IsConflict(err) && i < 5 {
+			continue
+		}
+		if err != nil {
+			return nil, fmt.Errorf("update node %s: %w", NodeName, err)
+		}
+		return out, nil
+	}
+}
+
+// NodeAddresses are the Node object's status.addresses as the test bed
+// creates them: InternalIPs NodeIPv4 and NodeIPv6, and the hostname.
+func NodeAddresses() []corev1.NodeAddress {
+	return []corev1.NodeAddress{
+		{Type: corev1.NodeInternalIP, Address: NodeIPv4},
+		{Type: corev1.NodeInternalIP, Address: NodeIPv6},
+		{Type: corev1.NodeHostName, Address: NodeName},
+	}
+}

@@ -69,10 +69,32 @@ func classify(what string, err error) error {
 // DialTCP connects from namespace ns to addr ("ip:port"), reads the echo
 // server's line and returns it. The whole exchange must fit in timeout.
 func (tb *Testbed) DialTCP(ns, addr string, timeout time.Duration) (Answer, error) {
+	return tb.DialTCPFrom(ns, "", addr, timeout)
+}
+
+// DialTCPFrom is DialTCP with the connection's source address bound to src
+// (an address of ns; "" lets the kernel choose).
+func (tb *Testbed) DialTCPFrom(ns, src, addr string, timeout time.Duration) (Answer, error) {
 	what := fmt.Sprintf("tcp %s from %s", addr, ns)
+	if src != "" {
+		what += " (source " + src + ")"
+	}
 	ctx, cancel := context.WithTimeout(context.Background(), timeout)
 	defer cancel()
-	conn, err := tb.DialContext(ctx, ns, "tcp", addr)
+	var conn net.Conn
+	err := tb.InNamespace(ns, func() error {
+		d := net.Dialer{}
+		if src != "" {
+			ip := net.ParseIP(src)
+			if ip == nil {
+				return fmt.Errorf("bad source address %q", src)
+			}
+			d.LocalAddr = &net.TCPAddr{IP: ip}
+		}
+		c, err := d.DialContext(ctx, "tcp", addr)
+		conn = c
+		return err
+	})
 	if err != nil {
 		return Answer{}, classify(what, err)
 	}
@@ -94,14 +116,31 @@ func (tb *Testbed) DialTCP(ns, addr string, timeout time.Duration) (Answer, erro
 // server's answer. localPort 0 picks an ephemeral source port; a fixed one makes
 // repeated calls the same flow as far as conntrack is concerned.
 func (tb *Testbed) DialUDP(ns, addr string, timeout time.Duration, localPort int) (Answer, error) {
+	return tb.DialUDPFrom(ns, "", addr, timeout, localPort)
+}
+
+// DialUDPFrom is DialUDP with the socket bound to source address src (an
+// address of ns; "" lets the kernel choose).
+func (tb *Testbed) DialUDPFrom(ns, src, addr string, timeout time.Duration, localPort int) (Answer, error) {
 	what := fmt.Sprintf("udp %s from %s", addr, ns)
+	if src != "" {
+		what += " (source " + src + ")"
+	}
 	ctx, cancel := context.WithTimeout(context.Background(), timeout)
 	defer cancel()
 	var conn net.Conn
 	err := tb.InNamespace(ns, func() error {
 		d := net.Dialer{}
+		var srcIP net.IP
+		if src != "" {
+			if srcIP = net.ParseIP(src); srcIP == nil {
+				return fmt.Errorf("bad source address %q", src)
+			}
+		}
+		if localPort != 0 || srcIP != nil {
+			d.LocalAddr = &net.UDPAddr{IP: srcIP, Port: localPort}
+		}
 		if localPort != 0 {
-			d.LocalAddr = &net.UDPAddr{Port: localPort}
 			d.Control = func(network, address string, c syscall.RawConn) error {
 				var serr error
 				err := c.Control(func(fd uintptr) {

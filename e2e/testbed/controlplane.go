@@ -182,11 +182,7 @@ func (tb *Testbed) createNode(ctx context.Context) error {
 	if err != nil {
 		return fmt.Errorf("create node %s: %w", NodeName, err)
 	}
-	created.Status.Addresses = []corev1.NodeAddress{
-		{Type: corev1.NodeInternalIP, Address: NodeIPv4},
-		{Type: corev1.NodeInternalIP, Address: NodeIPv6},
-		{Type: corev1.NodeHostName, Address: NodeName},
-	}
+	created.Status.Addresses = NodeAddresses()
 	created.Status.Conditions = []corev1.NodeCondition{{
 		Type:               corev1.NodeReady,
 		Status:             corev1.ConditionTrue,

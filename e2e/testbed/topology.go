@@ -3,6 +3,7 @@ package testbed
 import (
 	"fmt"
 	"strconv"
+	"strings"
 	"time"
 )
 
@@ -22,7 +23,16 @@ const (
 	PodCIDRIPv6 = "fd00:10:244::/64"
 	ClusterCIDR = "10.244.0.0/16"
 
-	ServiceCIDRs = "10.96.0.0/16,fd00:10:96::/112"
+	ServiceCIDRs    = "10.96.0.0/16,fd00:10:96::/112"
+	ServiceCIDRIPv4 = "10.96.0.0/16"
+	ServiceCIDRIPv6 = "fd00:10:96::/112"
+
+	// ExternalRangeIPv4 and ExternalRangeIPv6 are where tests take
+	// load-balancer ingress IPs and externalIPs from. No interface has them:
+	// the client routes them to the node, which DNATs what is addressed to a
+	// service and sends the rest back to the client (which drops it).
+	ExternalRangeIPv4 = "203.0.113.0/24"
+	ExternalRangeIPv6 = "2001:db8:2::/64"
 
 	// EchoPort is where every pod's echo server listens (TCP and UDP).
 	EchoPort = 8080
@@ -107,6 +117,12 @@ func (tb *Testbed) buildTopology(pods int) error {
 		{client, "link", "set", "eth0", "up"},
 		{client, "route", "add", "default", "via", NodeIPv4},
 		{client, "-6", "route", "add", "default", "via", NodeIPv6},
+		// The default routes already lead there; these say it outright (as a
+		// router that knows the service range and the load balancers' VIPs would).
+		{client, "route", "add", ServiceCIDRIPv4, "via", NodeIPv4},
+		{client, "route", "add", ExternalRangeIPv4, "via", NodeIPv4},
+		{client, "-6", "route", "add", ServiceCIDRIPv6, "via", NodeIPv6},
+		{client, "-6", "route", "add", ExternalRangeIPv6, "via", NodeIPv6},
 		// The node's default route leads to the client namespace, as a real
 		// node's leads to its gateway: traffic to a ClusterIP that is not
 		// translated goes there and is dropped (the client does not forward).
@@ -194,3 +210,25 @@ func (tb *Testbed) startEchoServers(bin string) error {
 
 // Pod returns pod n (1-based).
 func (tb *Testbed) Pod(n int) *Pod { return tb.Pods[n-1] }
+
+// AddAddress adds address cidr (e.g. "198.51.100.3/24") to interface dev of
+// namespace ns, without duplicate address detection for IPv6. The caller
+// removes it (DelAddress).
+func (tb *Testbed) AddAddress(ns, dev, cidr string) error {
+	args := []string{"addr", "add", cidr, "dev", dev}
+	if strings.Contains(cidr, ":") {
+		args = append(args, "nodad")
+	}
+	if err := tb.ip(ns, args...); err != nil {
+		return fmt.Errorf("add address %s to %s in %s: %w", cidr, dev, ns, err)
+	}
+	return nil
+}
+
+// DelAddress removes address cidr from interface dev of namespace ns.
+func (tb *Testbed) DelAddress(ns, dev, cidr string) error {
+	if err := tb.ip(ns, "addr", "del", cidr, "dev", dev); err != nil {
+		return fmt.Errorf("remove address %s from %s in %s: %w", cidr, dev, ns, err)
+	}
+	return nil
+}
