@@ -25,6 +25,12 @@ type env struct {
 	ctx context.Context
 	ns  string
 	k   *testbed.Kpipe
+	// dumped: the evidence of a failure was already logged (before kpipe was
+	// restarted with its default flags).
+	dumped bool
+	// flagsChanged: kpipe was restarted with extra flags (restartKpipe) and
+	// is restarted with its defaults when the test ends.
+	flagsChanged bool
 }
 
 var nonDNS = regexp.MustCompile(`[^a-z0-9]+`)
@@ -58,7 +64,7 @@ func setup(t *testing.T) *env {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() {
-		if t.Failed() {
+		if t.Failed() && !e.dumped {
 			e.dumpEvidence()
 		}
 		dctx, dcancel := context.WithTimeout(context.Background(), 30*time.Second)
@@ -78,13 +84,19 @@ func (e *env) dumpEvidence() {
 		state = "NOT running"
 	}
 	t.Logf("kpipe (%s, pid %d, started %d times) log tail (%s):\n%s", state, e.k.PID(), e.k.Starts(), e.k.LogPath, e.k.LogTail(60))
-	for _, table := range []string{"nat", "filter"} {
-		out, err := tb.Exec(tb.NodeNS, "iptables-save", "-t", table)
-		if err != nil {
-			t.Logf("iptables-save -t %s: %v", table, err)
-			continue
+	e.dumped = true
+	for _, save := range []string{"iptables-save", "ip6tables-save"} {
+		for _, table := range []string{"nat", "filter"} {
+			out, err := tb.Exec(tb.NodeNS, save, "-t", table)
+			if err != nil {
+				t.Logf("%s -t %s: %v", save, table, err)
+				continue
+			}
+			if save == "ip6tables-save" && !strings.Contains(out, e.ns+"/") {
+				continue // nothing of this test's: spare the noise
+			}
+			t.Logf("%s -t %s (rules for %s/ and chain heads):\n%s", save, table, e.ns, filterRules(out, e.ns+"/"))
 		}
-		t.Logf("iptables-save -t %s (rules for %s/ and chain heads):\n%s", table, e.ns, filterRules(out, e.ns+"/"))
 	}
 }
 

@@ -1,0 +1,410 @@
+package e2e
+
+import (
+	"bufio"
+	"errors"
+	"fmt"
+	"sort"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	corev1 "k8s.io/api/core/v1"
+	"k8s.io/utils/ptr"
+
+	"github.com/kpipe/kpipe/e2e/testbed"
+)
+
+// Helpers of the Service-feature scenarios (nodeport_test.go, external_test.go,
+// policy_test.go, flags_test.go, features_test.go).
+
+// otherNode is the nodeName of endpoints "on another node": they are pods of
+// the bridge like the others, only their EndpointSlice entry says otherwise.
+const otherNode = "kpe2e-other"
+
+// Addresses the scenarios use besides the test bed's own.
+const (
+	// clientAltIPv4 is a second address some tests add to the client's eth0.
+	clientAltIPv4 = "198.51.100.3"
+	// nodeAltIPv4 is a second address some tests add to the node's eth0.
+	nodeAltIPv4 = "198.51.100.11"
+)
+
+// nodeAddrs4 are the node's IPv4 addresses a masqueraded packet can carry.
+var nodeAddrs4 = []string{testbed.BridgeIPv4, testbed.NodeIPv4, nodeAltIPv4}
+
+// nodeAddrs6 are the node's IPv6 addresses a masqueraded packet can carry.
+var nodeAddrs6 = []string{testbed.BridgeIPv6, testbed.NodeIPv6}
+
+// restartKpipe restarts kpipe with extra flags after the default ones and
+// waits until it has synced (/healthz 200). When the test ends kpipe is
+// restarted with the default flags, after the evidence of a failure (rules,
+// log) has been logged. Calling it again in the same test restarts with the
+// new flags; the restore happens once.
+func (e *env) restartKpipe(extra ...string) {
+	e.t.Helper()
+	if !e.flagsChanged {
+		e.flagsChanged = true
+		e.t.Cleanup(func() {
+			if e.t.Failed() && !e.dumped {
+				e.dumpEvidence()
+			}
+			if err := e.k.Restart(); err != nil {
+				e.t.Errorf("restart kpipe with its default flags: %v", err)
+			}
+		})
+	}
+	start := time.Now()
+	if err := e.k.Restart(extra...); err != nil {
+		e.t.Fatalf("restart kpipe with %q: %v", extra, err)
+	}
+	e.t.Logf("kpipe restarted with extra flags %q, healthy after %v", extra, since(start))
+}
+
+// restoreKpipe restarts kpipe with the default flags now (the test goes on).
+func (e *env) restoreKpipe() {
+	e.t.Helper()
+	if err := e.k.Restart(); err != nil {
+		e.t.Fatalf("restart kpipe with its default flags: %v", err)
+	}
+}
+
+// create creates svc (built with testbed.Service and changed) and returns it
+// as stored.
+func (e *env) create(svc *corev1.Service) *corev1.Service {
+	e.t.Helper()
+	out, err := tb.CreateService(e.ctx, svc)
+	if err != nil {
+		e.t.Fatal(err)
+	}
+	return out
+}
+
+// setEndpoints makes the slice of svc for the family of eps hold exactly eps.
+func (e *env) setEndpoints(svc *corev1.Service, eps ...[]testbed.Endpoint) {
+	e.t.Helper()
+	var all []testbed.Endpoint
+	for _, l := range eps {
+		all = append(all, l...)
+	}
+	if _, err := tb.SetEndpoints(e.ctx, svc, all); err != nil {
+		e.t.Fatal(err)
+	}
+}
+
+// addAddress adds cidr to dev in namespace ns until the test ends.
+func addAddress(t *testing.T, ns, dev, cidr string) {
+	t.Helper()
+	if err := tb.AddAddress(ns, dev, cidr); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		if err := tb.DelAddress(ns, dev, cidr); err != nil {
+			t.Errorf("cleanup: %v", err)
+		}
+	})
+}
+
+// typed returns a service of type typ (NodePort or LoadBalancer) with ports.
+func typed(ns, name string, typ corev1.ServiceType, ports ...corev1.ServicePort) *corev1.Service {
+	svc := testbed.Service(ns, name, ports...)
+	svc.Spec.Type = typ
+	return svc
+}
+
+// dualStack makes svc RequireDualStack, IPv4 first.
+func dualStack(svc *corev1.Service) *corev1.Service {
+	svc.Spec.IPFamilyPolicy = ptr.To(corev1.IPFamilyPolicyRequireDualStack)
+	svc.Spec.IPFamilies = []corev1.IPFamily{corev1.IPv4Protocol, corev1.IPv6Protocol}
+	return svc
+}
+
+// local are ready endpoints on this node (IPv4).
+func local(pods ...int) []testbed.Endpoint { return tb.ReadyEndpoints(pods...) }
+
+// remote are ready endpoints whose slice entry names another node (IPv4).
+func remote(pods ...int) []testbed.Endpoint {
+	eps := tb.ReadyEndpoints(pods...)
+	for i := range eps {
+		eps[i].NodeName = otherNode
+	}
+	return eps
+}
+
+// terminating are serving, terminating, not ready endpoints (IPv4) on node.
+func terminating(node string, pods ...int) []testbed.Endpoint {
+	eps := tb.ReadyEndpoints(pods...)
+	for i := range eps {
+		eps[i].Ready, eps[i].Serving, eps[i].Terminating, eps[i].NodeName = false, true, true, node
+	}
+	return eps
+}
+
+// notServing are terminating endpoints that no longer serve (IPv4) on node.
+func notServing(node string, pods ...int) []testbed.Endpoint {
+	eps := tb.ReadyEndpoints(pods...)
+	for i := range eps {
+		eps[i].Ready, eps[i].Serving, eps[i].Terminating, eps[i].NodeName = false, false, true, node
+	}
+	return eps
+}
+
+func podIPs6(pods ...int) []string {
+	out := make([]string, len(pods))
+	for i, n := range pods {
+		out[i] = tb.Pod(n).IPv6
+	}
+	return out
+}
+
+// tcpFrom is a TCP dialer whose connections come from source address src.
+func tcpFrom(src string, timeout time.Duration) dialer {
+	return func(ns, addr string) (testbed.Answer, error) { return tb.DialTCPFrom(ns, src, addr, timeout) }
+}
+
+// Short-hands: quick dialers for requests that must be answered, and 1 s ones
+// for requests that must not be (a drop shows as a timeout).
+var (
+	tcp2 = tcp(2 * time.Second)
+	udp2 = udp(2 * time.Second)
+	tcp1 = tcp(time.Second)
+	udp1 = udp(time.Second)
+)
+
+// samples is how many requests make it all but certain (a miss chance below
+// 1e-7) that every one of k equally likely endpoints answers at least once.
+func samples(k int) int {
+	if k <= 1 {
+		return 10
+	}
+	n, p := 0, float64(k)
+	for p >= 1e-7 {
+		p *= 1 - 1/float64(k)
+		n++
+	}
+	return n
+}
+
+// hits counts the answers of a series of requests: by answering endpoint and
+// by the source address the endpoint saw.
+type hits struct {
+	endpoints map[string]int
+	sources   map[string]int
+}
+
+func (h hits) String() string {
+	return fmt.Sprintf("answers by endpoint %v, sources seen %v", h.endpoints, h.sources)
+}
+
+// sample makes n requests from ns to addr; all must be answered.
+func sample(d dialer, ns, addr string, n int) (hits, error) {
+	h := hits{endpoints: map[string]int{}, sources: map[string]int{}}
+	for i := 0; i < n; i++ {
+		a, err := d(ns, addr)
+		if err != nil {
+			return h, fmt.Errorf("request %d/%d from %s to %s: %w (so far: %v)", i+1, n, ns, addr, err, h)
+		}
+		h.endpoints[a.Endpoint]++
+		h.sources[a.SourceIP()]++
+	}
+	return h, nil
+}
+
+// exactly says whether the answering endpoints are exactly want.
+func (h hits) exactly(want []string) error {
+	var missing, extra []string
+	for _, w := range want {
+		if h.endpoints[w] == 0 {
+			missing = append(missing, w)
+		}
+	}
+	for ep := range h.endpoints {
+		found := false
+		for _, w := range want {
+			found = found || ep == w
+		}
+		if !found {
+			extra = append(extra, ep)
+		}
+	}
+	sort.Strings(extra)
+	if len(missing) > 0 || len(extra) > 0 {
+		return fmt.Errorf("%v: endpoints that never answered %v, unexpected answerers %v", h, missing, extra)
+	}
+	return nil
+}
+
+// sourcesIn says whether every source the endpoints saw is one of allowed.
+func (h hits) sourcesIn(allowed []string) error {
+	for src := range h.sources {
+		found := false
+		for _, a := range allowed {
+			found = found || src == a
+		}
+		if !found {
+			return fmt.Errorf("%v: source %s is not one of %v", h, src, allowed)
+		}
+	}
+	return nil
+}
+
+// eventuallyExactly waits until a series of requests from ns to addr is all
+// answered, by exactly the endpoints want (enough requests that each must
+// have answered), and returns that series' hits.
+func eventuallyExactly(t *testing.T, d dialer, ns, addr string, want []string) hits {
+	t.Helper()
+	var h hits
+	testbed.Eventually(t, 20*time.Second, func() error {
+		var err error
+		if h, err = sample(d, ns, addr, samples(len(want))); err != nil {
+			return err
+		}
+		return h.exactly(want)
+	})
+	return h
+}
+
+// expectExactly is eventuallyExactly plus: every source the endpoints saw is
+// one of sources (none given: no check). It logs what it saw under what.
+func expectExactly(t *testing.T, what string, d dialer, ns, addr string, want []string, sources ...string) hits {
+	t.Helper()
+	h := eventuallyExactly(t, d, ns, addr, want)
+	t.Logf("%s (%s from %s): %v", what, addr, short(ns), h)
+	if len(sources) > 0 {
+		if err := h.sourcesIn(sources); err != nil {
+			t.Fatalf("%s: %v", what, err)
+		}
+	}
+	return h
+}
+
+// eventuallyDropped waits until a request from ns to addr times out: dropped,
+// neither answered nor refused. d should have a short timeout (tcp1, udp1).
+func eventuallyDropped(t *testing.T, what string, d dialer, ns, addr string) {
+	t.Helper()
+	start := time.Now()
+	testbed.Eventually(t, 20*time.Second, func() error {
+		a, err := d(ns, addr)
+		switch {
+		case err == nil:
+			return fmt.Errorf("%s: %s from %s answered by %s (source seen %s), want it dropped", what, addr, short(ns), a.Endpoint, a.SeenSource)
+		case !errors.Is(err, testbed.ErrTimeout):
+			return fmt.Errorf("%s: want a timeout (dropped), got %w", what, err)
+		}
+		return nil
+	})
+	t.Logf("%s: %s from %s dropped (checked within %v)", what, addr, short(ns), since(start))
+}
+
+// eventuallyRefused waits until a request from ns to addr is refused.
+func eventuallyRefused(t *testing.T, what string, d dialer, ns, addr string) {
+	t.Helper()
+	testbed.Eventually(t, 20*time.Second, func() error {
+		a, err := d(ns, addr)
+		switch {
+		case err == nil:
+			return fmt.Errorf("%s: %s from %s answered by %s, want it refused", what, addr, short(ns), a.Endpoint)
+		case !errors.Is(err, testbed.ErrRefused):
+			return fmt.Errorf("%s: want refused, got %w", what, err)
+		}
+		return nil
+	})
+	t.Logf("%s: %s from %s refused", what, addr, short(ns))
+}
+
+// eventuallyUnanswered waits until a request from ns to addr fails, refused
+// or timed out: no endpoint answers it.
+func eventuallyUnanswered(t *testing.T, what string, d dialer, ns, addr string) {
+	t.Helper()
+	var last error
+	testbed.Eventually(t, 20*time.Second, func() error {
+		a, err := d(ns, addr)
+		if err == nil {
+			return fmt.Errorf("%s: %s from %s answered by %s (source seen %s), want no answer", what, addr, short(ns), a.Endpoint, a.SeenSource)
+		}
+		last = err
+		return nil
+	})
+	t.Logf("%s: %s from %s not answered: %v", what, addr, short(ns), last)
+}
+
+// short names a test bed namespace by its role ("node", "client", "pod11").
+func short(ns string) string {
+	if i := strings.LastIndexByte(ns, '-'); i >= 0 && strings.HasPrefix(ns, testbed.NamePrefix) {
+		return ns[i+1:]
+	}
+	return ns
+}
+
+// rulesMatching returns the lines of an iptables-save dump containing every
+// one of words.
+func rulesMatching(save string, words ...string) []string {
+	var out []string
+	for _, l := range strings.Split(save, "\n") {
+		ok := true
+		for _, w := range words {
+			ok = ok && strings.Contains(l, w)
+		}
+		if ok {
+			out = append(out, l)
+		}
+	}
+	return out
+}
+
+func (e *env) ip6tablesSave(table string) string {
+	e.t.Helper()
+	out, err := tb.Exec(tb.NodeNS, "ip6tables-save", "-t", table)
+	if err != nil {
+		e.t.Fatalf("ip6tables-save -t %s: %v", table, err)
+	}
+	return out
+}
+
+// metricSum scrapes kpipe's /metrics and adds up the samples of name whose
+// labels include every pair of labels.
+func metricSum(t *testing.T, name string, labels map[string]string) float64 {
+	t.Helper()
+	code, body, err := tb.HTTPGet(tb.NodeNS, testbed.MetricsURL+"/metrics")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if code != 200 {
+		t.Fatalf("/metrics: HTTP %d: %s", code, body)
+	}
+	sum := 0.0
+	sc := bufio.NewScanner(strings.NewReader(string(body)))
+	sc.Buffer(make([]byte, 1<<20), 1<<20)
+	for sc.Scan() {
+		l := sc.Text()
+		if !strings.HasPrefix(l, name+"{") && !strings.HasPrefix(l, name+" ") {
+			continue
+		}
+		var lbls, rest string
+		if i := strings.IndexByte(l, '{'); i == len(name) {
+			j := strings.LastIndexByte(l, '}')
+			if j < 0 {
+				continue
+			}
+			lbls, rest = l[i+1:j], l[j+1:]
+		} else {
+			rest = l[len(name):]
+		}
+		match := true
+		for k, v := range labels {
+			match = match && strings.Contains(","+lbls+",", ","+k+"="+strconv.Quote(v)+",")
+		}
+		if !match {
+			continue
+		}
+		f := strings.Fields(rest)
+		if len(f) == 0 {
+			continue
+		}
+		if v, err := strconv.ParseFloat(f[0], 64); err == nil {
+			sum += v
+		}
+	}
+	return sum
+}
