@@ -5,15 +5,13 @@ import (
 	"fmt"
 	"log/slog"
 	"os"
-	"os/exec"
-	"runtime"
 	"testing"
 
 	"github.com/prometheus/client_golang/prometheus"
-	"github.com/vishvananda/netns"
 
 	"github.com/kpipe/kpipe/bus"
 	nf "github.com/kpipe/kpipe/netfilter"
+	"github.com/kpipe/kpipe/netfilter/netnstest"
 	"github.com/kpipe/kpipe/stages/render"
 )
 
@@ -33,28 +31,26 @@ func BenchmarkCommit(b *testing.B) {
 		b.Run(fmt.Sprintf("services=%d/full-into-empty", n), func(b *testing.B) {
 			for b.Loop() {
 				b.StopTimer()
-				ns := newNS(b)
+				ns := netnstest.New(b)
 				b.StartTimer()
-				inNS(b, ns, func() error { return apply(fullPlan) })
+				ns.Run(b, func() error { return apply(fullPlan) })
 				b.StopTimer()
-				ns.del()
 				b.StartTimer()
 			}
 			b.ReportMetric(float64(fullPlan.Tables[0].RuleCount+fullPlan.Tables[1].RuleCount), "rules")
 		})
-		ns := newNS(b)
-		inNS(b, ns, func() error { return apply(fullPlan) })
+		ns := netnstest.New(b)
+		ns.Run(b, func() error { return apply(fullPlan) })
 		b.Run(fmt.Sprintf("services=%d/full-over-itself", n), func(b *testing.B) {
 			for b.Loop() {
-				inNS(b, ns, func() error { return apply(fullPlan) })
+				ns.Run(b, func() error { return apply(fullPlan) })
 			}
 		})
 		b.Run(fmt.Sprintf("services=%d/partial-one-service", n), func(b *testing.B) {
 			for b.Loop() {
-				inNS(b, ns, func() error { return apply(partial) })
+				ns.Run(b, func() error { return apply(partial) })
 			}
 		})
-		ns.del()
 	}
 }
 
@@ -79,11 +75,10 @@ func BenchmarkCommitKubeProxyLayout(b *testing.B) {
 	b.Run("services=1000/full-into-empty", func(b *testing.B) {
 		for b.Loop() {
 			b.StopTimer()
-			ns := newNS(b)
+			ns := netnstest.New(b)
 			b.StartTimer()
-			inNS(b, ns, func() error { return apply(plan) })
+			ns.Run(b, func() error { return apply(plan) })
 			b.StopTimer()
-			ns.del()
 			b.StartTimer()
 		}
 		b.ReportMetric(float64(len(plan.Tables[0].Chains)), "nat-chains")
@@ -111,46 +106,4 @@ func apply(plan *bus.Plan) error {
 	s := NewStage(bus.IPv4, false, bus.NewMailbox[*bus.Plan](), Outputs{}, bus.NewBoard(),
 		bus.NewMetrics(prometheus.NewRegistry()), slog.New(slog.DiscardHandler))
 	return s.apply(context.Background(), rules, plan)
-}
-
-type testNS struct{ name string }
-
-func newNS(b *testing.B) testNS {
-	ns := testNS{fmt.Sprintf("kpbench-%d-%d", os.Getpid(), b.N)}
-	ns.del()
-	if out, err := exec.Command("ip", "netns", "add", ns.name).CombinedOutput(); err != nil {
-		b.Fatalf("ip netns add: %v %s", err, out)
-	}
-	b.Cleanup(ns.del)
-	return ns
-}
-
-func (ns testNS) del() { _ = exec.Command("ip", "netns", "del", ns.name).Run() }
-
-// inNS runs f on a thread switched into ns: the iptables tools it starts are
-// forked from that thread and so run inside ns.
-func inNS(b *testing.B, ns testNS, f func() error) {
-	runtime.LockOSThread()
-	defer runtime.UnlockOSThread()
-	orig, err := netns.Get()
-	if err != nil {
-		b.Fatal(err)
-	}
-	defer orig.Close()
-	target, err := netns.GetFromName(ns.name)
-	if err != nil {
-		b.Fatal(err)
-	}
-	defer target.Close()
-	if err := netns.Set(target); err != nil {
-		b.Fatal(err)
-	}
-	defer func() {
-		if err := netns.Set(orig); err != nil {
-			panic(err) // this thread must not go back to the pool in the wrong namespace
-		}
-	}()
-	if err := f(); err != nil {
-		b.Fatal(err)
-	}
 }

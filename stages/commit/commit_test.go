@@ -2,20 +2,20 @@ package commit
 
 import (
 	"context"
+	"fmt"
 	"log/slog"
 	"net/netip"
 	"os"
 	"os/exec"
-	"runtime"
 	"slices"
 	"strings"
 	"testing"
 
 	"github.com/prometheus/client_golang/prometheus"
-	"github.com/vishvananda/netns"
 
 	"github.com/kpipe/kpipe/bus"
 	nf "github.com/kpipe/kpipe/netfilter"
+	"github.com/kpipe/kpipe/netfilter/netnstest"
 	"github.com/kpipe/kpipe/stages/render"
 )
 
@@ -263,48 +263,34 @@ func TestApplyBatchedFullSyncIntoEmptyTables(t *testing.T) {
 	if got := len(plan.Tables[0].Chains) + len(plan.Tables[1].Chains); got <= maxChainsPerRestore {
 		t.Fatalf("plan has %d chains; the test needs more than %d", got, maxChainsPerRestore)
 	}
-	runtime.LockOSThread()
-	defer runtime.UnlockOSThread()
-	orig, err := netns.Get()
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer orig.Close()
-	ns, err := netns.New() // this thread is now in a new, empty network namespace
-	if err != nil {
-		t.Skipf("cannot make a network namespace: %v", err)
-	}
-	defer ns.Close()
-	defer func() {
-		if err := netns.Set(orig); err != nil {
-			panic(err) // the thread must not go back to the pool in the wrong namespace
+	netnstest.New(t).Run(t, func() error {
+		rules, err := nf.NewRules(bus.IPv4)
+		if err != nil {
+			return err
 		}
-	}()
-	rules, err := nf.NewRules(bus.IPv4)
-	if err != nil {
-		t.Skipf("iptables: %v", err)
-	}
-	s := NewStage(bus.IPv4, false, bus.NewMailbox[*bus.Plan](), Outputs{}, bus.NewBoard(),
-		bus.NewMetrics(prometheus.NewRegistry()), slog.New(slog.DiscardHandler))
-	if err := s.apply(context.Background(), rules, plan); err != nil {
-		t.Fatalf("full sync into empty tables: %v", err)
-	}
-	chains, err := s.tool.Chains(context.Background(), nf.TableNAT)
-	if err != nil {
-		t.Fatal(err)
-	}
-	have := map[string]bool{}
-	for _, c := range chains {
-		have[c] = true
-	}
-	for _, tp := range plan.Tables {
-		if tp.Table != nf.TableNAT {
-			continue
+		s := NewStage(bus.IPv4, false, bus.NewMailbox[*bus.Plan](), Outputs{}, bus.NewBoard(),
+			bus.NewMetrics(prometheus.NewRegistry()), slog.New(slog.DiscardHandler))
+		if err := s.apply(context.Background(), rules, plan); err != nil {
+			return fmt.Errorf("full sync into empty tables: %w", err)
 		}
-		for _, c := range tp.Chains {
-			if !have[c.Name] {
-				t.Fatalf("chain %s missing from the kernel after the sync", c.Name)
+		chains, err := s.tool.Chains(context.Background(), nf.TableNAT)
+		if err != nil {
+			return err
+		}
+		have := map[string]bool{}
+		for _, c := range chains {
+			have[c] = true
+		}
+		for _, tp := range plan.Tables {
+			if tp.Table != nf.TableNAT {
+				continue
+			}
+			for _, c := range tp.Chains {
+				if !have[c.Name] {
+					return fmt.Errorf("chain %s missing from the kernel after the sync", c.Name)
+				}
 			}
 		}
-	}
+		return nil
+	})
 }

@@ -4,8 +4,6 @@ import (
 	"context"
 	"log/slog"
 	"net/netip"
-	"os"
-	"runtime"
 	"syscall"
 	"testing"
 	"time"
@@ -13,9 +11,9 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	ct "github.com/ti-mo/conntrack"
 	"github.com/vishvananda/netlink"
-	"github.com/vishvananda/netns"
 
 	"github.com/kpipe/kpipe/bus"
+	"github.com/kpipe/kpipe/netfilter/netnstest"
 )
 
 // flow is a conntrack flow from client to dst, answered from answerer (the
@@ -31,33 +29,6 @@ func flow(proto uint8, client, dst, answerer string) ct.Flow {
 	return f
 }
 
-// inNewNetNS runs f on a thread in a new, empty network namespace, so that the
-// conntrack table it sees holds only what the test puts there.
-func inNewNetNS(t *testing.T, f func()) {
-	t.Helper()
-	if os.Geteuid() != 0 {
-		t.Skip("needs root for a network namespace")
-	}
-	runtime.LockOSThread()
-	defer runtime.UnlockOSThread()
-	orig, err := netns.Get()
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer orig.Close()
-	ns, err := netns.New()
-	if err != nil {
-		t.Skipf("cannot make a network namespace: %v", err)
-	}
-	defer ns.Close()
-	defer func() {
-		if err := netns.Set(orig); err != nil {
-			panic(err) // the thread must not go back to the pool in the wrong namespace
-		}
-	}()
-	f()
-}
-
 func counter(reg *prometheus.Registry, name string) float64 {
 	mfs, _ := reg.Gather()
 	for _, mf := range mfs {
@@ -71,7 +42,7 @@ func counter(reg *prometheus.Registry, name string) float64 {
 // The stage clears, in the kernel, the UDP flows to a service front-end that the
 // rules no longer send to, and leaves every other flow alone.
 func TestStageClearsStaleUDPFlows(t *testing.T) {
-	inNewNetNS(t, func() {
+	netnstest.New(t).Run(t, func() error {
 		conn, err := ct.Dial(nil)
 		if err != nil {
 			t.Skipf("conntrack netlink: %v", err)
@@ -146,5 +117,6 @@ func TestStageClearsStaleUDPFlows(t *testing.T) {
 		if _, ok := in.TryTake(); ok {
 			t.Error("the work is still in the mailbox after it was done")
 		}
+		return nil
 	})
 }
