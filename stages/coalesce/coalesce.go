@@ -235,11 +235,11 @@ func (s *Stage) apply(st *bus.State, synced *bool, c bus.Change, seq uint64, fam
 		// Every service the replay may change is pending until a commit carries it,
 		// as kube-proxy queues an update for each object its informers add: a first
 		// commit that keeps failing must show in /healthz.
-		for _, s := range []bus.State{*st, *c.Replay} {
-			for k := range s.Services {
+		for _, state := range []bus.State{*st, *c.Replay} {
+			for k := range state.Services {
 				mark(k)
 			}
-			for k := range s.Slices {
+			for k := range state.Slices {
 				mark(k)
 			}
 		}
