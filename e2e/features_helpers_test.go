@@ -44,22 +44,30 @@ var nodeAddrs6 = []string{testbed.BridgeIPv6, testbed.NodeIPv6}
 // new flags; the restore happens once.
 func (e *env) restartKpipe(extra ...string) {
 	e.t.Helper()
-	if !e.flagsChanged {
-		e.flagsChanged = true
-		e.t.Cleanup(func() {
-			if e.t.Failed() && !e.dumped {
-				e.dumpEvidence()
-			}
-			if err := e.k.Restart(); err != nil {
-				e.t.Errorf("restart kpipe with its default flags: %v", err)
-			}
-		})
-	}
+	e.restoreKpipeAtEnd()
 	start := time.Now()
 	if err := e.k.Restart(extra...); err != nil {
 		e.t.Fatalf("restart kpipe with %q: %v", extra, err)
 	}
-	e.t.Logf("kpipe restarted with extra flags %q, healthy after %v", extra, since(start))
+	e.t.Logf("kpipe restarted with extra flags %q, synced after %v", extra, since(start))
+}
+
+// restoreKpipeAtEnd makes sure kpipe is restarted with its default flags when
+// the test ends, after the evidence of a failure has been logged (once per
+// test, however often it is called).
+func (e *env) restoreKpipeAtEnd() {
+	if e.flagsChanged {
+		return
+	}
+	e.flagsChanged = true
+	e.t.Cleanup(func() {
+		if e.t.Failed() && !e.dumped {
+			e.dumpEvidence()
+		}
+		if err := e.k.Restart(); err != nil {
+			e.t.Errorf("restart kpipe with its default flags: %v", err)
+		}
+	})
 }
 
 // restoreKpipe restarts kpipe with the default flags now (the test goes on).
@@ -349,15 +357,6 @@ func rulesMatching(save string, words ...string) []string {
 		if ok {
 			out = append(out, l)
 		}
-	}
-	return out
-}
-
-func (e *env) ip6tablesSave(table string) string {
-	e.t.Helper()
-	out, err := tb.Exec(tb.NodeNS, "ip6tables-save", "-t", table)
-	if err != nil {
-		e.t.Fatalf("ip6tables-save -t %s: %v", table, err)
 	}
 	return out
 }

@@ -1,8 +1,13 @@
 package testbed
 
 import (
+	"bufio"
+	"encoding/json"
 	"errors"
 	"fmt"
+	"io"
+	"os"
+	"strings"
 	"sync"
 	"time"
 )
@@ -22,9 +27,10 @@ type Kpipe struct {
 	// given to Start come after them.
 	Args []string
 
-	mu     sync.Mutex
-	proc   *Process
-	starts int
+	mu        sync.Mutex
+	proc      *Process
+	starts    int
+	logOffset int64 // where the current process's part of the log starts
 }
 
 // DefaultKpipeArgs are the flags the test bed runs kpipe with.
@@ -71,9 +77,11 @@ func (tb *Testbed) Kpipe() *Kpipe {
 	return tb.kpipe
 }
 
-// Start starts kpipe (extra flags after the default ones) and waits until
-// /healthz answers 200, i.e. the first sync is done. On failure kpipe is left
-// as it is (maybe running) and the error carries the tail of its log.
+// Start starts kpipe (extra flags after the default ones) and waits until it
+// has synced: /healthz answers 200 (which, as with kube-proxy, it does from
+// the start) and every IP family has committed a full sync after the
+// informer caches synced (see WaitSynced). On failure kpipe is left as it is
+// (maybe running) and the error carries the tail of its log.
 func (k *Kpipe) Start(extra ...string) error {
 	k.mu.Lock()
 	if k.proc != nil && !k.proc.Exited() {
@@ -82,6 +90,11 @@ func (k *Kpipe) Start(extra ...string) error {
 	}
 	argv := append([]string{"ip", "netns", "exec", k.tb.NodeNS, k.Bin}, k.Args...)
 	argv = append(argv, extra...)
+	if st, err := os.Stat(k.LogPath); err == nil {
+		k.logOffset = st.Size()
+	} else {
+		k.logOffset = 0
+	}
 	p, err := startProcess("kpipe", k.LogPath, nil, argv...)
 	if err != nil {
 		k.mu.Unlock()
@@ -98,7 +111,7 @@ func (k *Kpipe) Start(extra ...string) error {
 		}
 		code, body, err := k.tb.HTTPGet(k.tb.NodeNS, HealthzURL+"/healthz")
 		if err == nil && code == 200 {
-			return nil
+			return k.WaitSynced(time.Until(deadline))
 		}
 		if err != nil {
 			last = err.Error()
@@ -173,3 +186,120 @@ func (k *Kpipe) Starts() int {
 
 // LogTail is the end of kpipe's log (all starts, appended).
 func (k *Kpipe) LogTail(n int) string { return tailFile(k.LogPath, n) }
+
+// WaitSynced waits until the running kpipe has synced its rules: its log (JSON,
+// debug level, as DefaultKpipeArgs asks) shows, after "informer caches
+// synced", a full "committed" for every family named in "kpipe starting".
+// /healthz is no help there: like kube-proxy's it answers 200 before the first
+// sync.
+func (k *Kpipe) WaitSynced(timeout time.Duration) error {
+	k.mu.Lock()
+	p, off := k.proc, k.logOffset
+	k.mu.Unlock()
+	if p == nil {
+		return errors.New("kpipe was never started")
+	}
+	deadline := time.Now().Add(timeout)
+	var state string
+	for {
+		if p.Exited() {
+			return fmt.Errorf("kpipe exited during start-up: %v\n--- kpipe log (%s):\n%s", p.ExitErr(), k.LogPath, p.Tail(40))
+		}
+		ok, st, err := syncedInLog(k.LogPath, off)
+		if err != nil {
+			return err
+		}
+		if ok {
+			return nil
+		}
+		state = st
+		if time.Now().After(deadline) {
+			return fmt.Errorf("kpipe has not synced (%s; the test bed reads this from kpipe's JSON debug log)\n--- kpipe log (%s):\n%s", state, k.LogPath, p.Tail(40))
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+}
+
+// syncedInLog reads kpipe's log from offset (one process's run) and says
+// whether every family it programs has committed a full sync since its caches
+// synced; otherwise, how far it got.
+func syncedInLog(path string, offset int64) (bool, string, error) {
+	f, err := os.Open(path)
+	if err != nil {
+		return false, "", fmt.Errorf("read kpipe log: %w", err)
+	}
+	defer f.Close()
+	if _, err := f.Seek(offset, io.SeekStart); err != nil {
+		return false, "", fmt.Errorf("read kpipe log: %w", err)
+	}
+	var families []int
+	cachesSynced := false
+	committed := map[int]bool{}
+	sc := bufio.NewScanner(f)
+	sc.Buffer(make([]byte, 1<<20), 1<<20)
+	for sc.Scan() {
+		line := sc.Bytes()
+		if len(line) == 0 || line[0] != '{' {
+			continue
+		}
+		var rec struct {
+			Msg      string `json:"msg"`
+			Families string `json:"families"`
+			Family   any    `json:"family"`
+			Full     bool   `json:"full"`
+		}
+		if json.Unmarshal(line, &rec) != nil {
+			continue
+		}
+		switch rec.Msg {
+		case "kpipe starting":
+			families = nil
+			for _, name := range strings.Fields(strings.Trim(rec.Families, "[]")) {
+				switch name {
+				case "IPv4":
+					families = append(families, 4)
+				case "IPv6":
+					families = append(families, 6)
+				}
+			}
+		case "informer caches synced":
+			cachesSynced = true
+		case "committed":
+			if cachesSynced && rec.Full {
+				committed[familyNumber(rec.Family)] = true
+			}
+		}
+	}
+	if len(families) == 0 {
+		return false, "not started yet", nil
+	}
+	if !cachesSynced {
+		return false, "informer caches not synced yet", nil
+	}
+	var missing []string
+	for _, f := range families {
+		if !committed[f] {
+			missing = append(missing, fmt.Sprintf("IPv%d", f))
+		}
+	}
+	if len(missing) > 0 {
+		return false, fmt.Sprintf("no full commit since the caches synced for %v", missing), nil
+	}
+	return true, "", nil
+}
+
+// familyNumber reads a log's family field: 4 or 6, or "IPv4"/"IPv6".
+func familyNumber(v any) int {
+	switch f := v.(type) {
+	case float64:
+		return int(f)
+	case string:
+		switch f {
+		case "IPv4", "4":
+			return 4
+		case "IPv6", "6":
+			return 6
+		}
+	}
+	return 0
+}

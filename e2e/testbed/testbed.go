@@ -5,7 +5,11 @@
 //
 // Layout (ID is random per run):
 //
-//	kpe2e-ID-client  eth0 198.51.100.2/24 2001:db8:1::2/64, default via the node
+//	kpe2e-ID-client  eth0 198.51.100.2/24 2001:db8:1::2/64, default via the node;
+//	                 also explicit routes via the node to the service range
+//	                 (10.96.0.0/16, fd00:10:96::/112) and to the range tests take
+//	                 LB ingress IPs and externalIPs from (203.0.113.0/24,
+//	                 2001:db8:2::/64)
 //	      | veth
 //	kpe2e-ID-node    eth0 198.51.100.1/24 2001:db8:1::1/64; etcd, kube-apiserver
 //	                 (127.0.0.1:6443) and kpipe run here; bridge kpbr0
@@ -18,7 +22,15 @@
 // (so quick successions of rejected connections are all refused at once), and
 // its default routes lead to the client namespace, which does not forward:
 // traffic to an address nobody translates is dropped there (a timeout).
-// IPv6 duplicate address detection is off everywhere.
+// IPv6 duplicate address detection is off everywhere. Addresses in the
+// external range are on no interface: the node DNATs what is addressed to a
+// service's externalIP or LB IP and sends the rest back to the client, which
+// drops it.
+//
+// Tests add what they need: second addresses (AddAddress), source-bound
+// requests (DialTCPFrom, DialUDPFrom), hand-made TCP segments
+// (SendTCPSegment), load-balancer status (SetLoadBalancerIngress), changes to
+// the Node object (UpdateNode, UpdateNodeStatus).
 //
 // Everything is removed by Close, and namespaces left by runs that crashed are
 // removed by the next New.
