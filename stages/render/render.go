@@ -560,8 +560,14 @@ func (r *renderer) writeEndpoints(sp *servicePort, chain string, eps []endpoint)
 	if affinity {
 		secs := strconv.Itoa(int(sp.svc.AffinitySeconds))
 		for i, e := range eps {
+			// A returning client renews its affinity: the KUBE-SEP- chain does that
+			// with --set; an inline DNAT with --update (check and set in one).
+			check := "--update"
+			if e.local {
+				check = "--rcheck"
+			}
 			r.nat.rule(chain, comment(sp.label+" -> "+e.addr.String()),
-				[]string{"-m", "recent", "--name", recent[i], "--rcheck", "--seconds", secs, "--reap"}, sp.proto, target[i])
+				[]string{"-m", "recent", "--name", recent[i], check, "--seconds", secs, "--reap"}, sp.proto, target[i])
 		}
 	}
 	for i, e := range eps {
