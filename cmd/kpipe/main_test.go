@@ -219,3 +219,39 @@ func TestCompleteIsRepeatable(t *testing.T) {
 		t.Errorf("after a second complete: cluster %v nodeport %v; want one each", c.ClusterCIDRs, c.NodePortAddresses)
 	}
 }
+
+// TestLocalhostNodePortsFollowNodePortAddresses: NodePorts answer on 127.0.0.1
+// only when 127.0.0.1 is among the NodePort addresses, as in kube-proxy.
+func TestLocalhostNodePortsFollowNodePortAddresses(t *testing.T) {
+	cases := []struct {
+		flags []string
+		want  bool
+	}{
+		{nil, true},
+		{[]string{"--iptables-localhost-nodeports=false"}, false},
+		{[]string{"--nodeport-addresses=192.168.0.0/16"}, false},
+		{[]string{"--nodeport-addresses=192.168.0.0/16,127.0.0.0/8"}, true},
+		{[]string{"--nodeport-addresses=0.0.0.0/0"}, true},
+		{[]string{"--nodeport-addresses=fd00::/8"}, true},
+		{[]string{"--nodeport-addresses=primary"}, false},
+	}
+	for _, tc := range cases {
+		o := defaultOptions()
+		fs := pflag.NewFlagSet("kpipe", pflag.ContinueOnError)
+		o.addFlags(fs)
+		if err := fs.Parse(append([]string{"--hostname-override=n"}, tc.flags...)); err != nil {
+			t.Fatal(err)
+		}
+		if err := o.complete(); err != nil {
+			t.Fatalf("%v: %v", tc.flags, err)
+		}
+		if got := o.renderConfig(bus.IPv4, false).LocalhostNodePorts; got != tc.want {
+			t.Errorf("%v: localhost NodePorts = %v, want %v", tc.flags, got, tc.want)
+		}
+	}
+	o := defaultOptions()
+	o.HostnameOverride, o.NodePortAddresses = "n", []string{"0.0.0.0/0", "192.168.0.0/16"}
+	if err := o.complete(); err != nil || len(o.nodePortCIDRs) != 0 {
+		t.Errorf("0.0.0.0/0 must mean every IPv4 address: cidrs %v, err %v", o.nodePortCIDRs, err)
+	}
+}

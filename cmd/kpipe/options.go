@@ -143,6 +143,7 @@ func (o *Options) complete() error {
 		}
 		o.nodePortCIDRs = append(o.nodePortCIDRs, p.Masked())
 	}
+	o.nodePortCIDRs = withoutZeroFamilies(o.nodePortCIDRs)
 	if o.nodePortPrimary && len(o.nodePortCIDRs) > 0 {
 		return usagef("--nodeport-addresses: 'primary' cannot be combined with CIDRs")
 	}
@@ -172,8 +173,46 @@ func (o *Options) renderConfig(f bus.Family, conntrackLiberal bool) render.Confi
 		DetectLocal: o.DetectLocalMode, ClusterCIDRs: ofFamily(o.clusterCIDRs, f),
 		BridgeInterface: o.PodBridgeInterface, InterfacePrefix: o.PodInterfaceprefix,
 		NodePortAddresses: ofFamily(o.nodePortCIDRs, f), NodePortPrimary: o.nodePortPrimary,
-		LocalhostNodePorts: o.LocalhostNodePorts && f == bus.IPv4, ConntrackLiberal: conntrackLiberal,
+		LocalhostNodePorts: f == bus.IPv4 && o.localhostNodePorts(), ConntrackLiberal: conntrackLiberal,
 	}
+}
+
+// localhostNodePorts says whether IPv4 NodePorts answer on 127.0.0.1: asked for,
+// and 127.0.0.1 is among the NodePort addresses (as in kube-proxy: all addresses,
+// or a CIDR that holds it; never with 'primary').
+func (o *Options) localhostNodePorts() bool {
+	if !o.LocalhostNodePorts || o.nodePortPrimary {
+		return false
+	}
+	v4 := ofFamily(o.nodePortCIDRs, bus.IPv4)
+	if len(v4) == 0 {
+		return true
+	}
+	for _, p := range v4 {
+		if p.Contains(netip.MustParseAddr("127.0.0.1")) {
+			return true
+		}
+	}
+	return false
+}
+
+// withoutZeroFamilies drops every CIDR of a family that has 0.0.0.0/0 or ::/0:
+// that family's NodePorts answer on all addresses (no CIDRs of a family, as
+// kube-proxy reads --nodeport-addresses).
+func withoutZeroFamilies(ps []netip.Prefix) []netip.Prefix {
+	zero := map[bus.Family]bool{}
+	for _, p := range ps {
+		if p.Bits() == 0 {
+			zero[bus.FamilyOf(p.Addr())] = true
+		}
+	}
+	var out []netip.Prefix
+	for _, p := range ps {
+		if !zero[bus.FamilyOf(p.Addr())] {
+			out = append(out, p)
+		}
+	}
+	return out
 }
 
 func ofFamily(ps []netip.Prefix, f bus.Family) []netip.Prefix {

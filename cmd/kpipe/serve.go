@@ -65,7 +65,7 @@ func serve(ctx context.Context, o *Options) error {
 		resync[f] = bus.NewFlag()
 		coalesceIO = append(coalesceIO, coalesce.Family{Family: f, Out: snapshots, Results: results, Resync: resync[f]})
 		rs := render.NewStage(o.renderConfig(f, liberal), snapshots, plans, resync[f], log.With("stage", "render-"+name))
-		cs := commit.NewStage(f, o.LocalhostNodePorts, plans, commit.Outputs{Results: results, Resync: resync[f], Flows: flows, HealthChecks: checks},
+		cs := commit.NewStage(f, o.localhostNodePorts(), plans, commit.Outputs{Results: results, Resync: resync[f], Flows: flows, HealthChecks: checks},
 			board, metrics, log.With("stage", "commit-"+name))
 		ct := conntrack.NewStage(f, flows, metrics, log.With("stage", "conntrack-"+name))
 		familyTrees = append(familyTrees, supervise.Tree(name, opts(supervise.RestForOne),
@@ -140,7 +140,7 @@ func hostFamilies(log *slog.Logger) []bus.Family {
 // prepareHost sets the sysctls kube-proxy sets and says whether conntrack is
 // TCP-liberal (then INVALID packets are not dropped).
 func prepareHost(o *Options, log *slog.Logger) bool {
-	if o.LocalhostNodePorts {
+	if o.localhostNodePorts() {
 		if err := nf.WriteSysctl("net/ipv4/conf/all/route_localnet", "1"); err != nil {
 			log.Error("NodePorts on 127.0.0.1 will not work", "err", err)
 		}
