@@ -7,6 +7,7 @@ import "github.com/prometheus/client_golang/prometheus"
 // concurrent use; the registry they live in is made by cmd/kpipe.
 type Metrics struct {
 	SyncDuration        prometheus.Histogram
+	NetworkProgramming  prometheus.Histogram
 	SyncFullDuration    prometheus.Histogram
 	SyncPartialDuration prometheus.Histogram
 	LastSync            prometheus.Gauge
@@ -32,6 +33,9 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 	m := &Metrics{
 		SyncDuration: prometheus.NewHistogram(prometheus.HistogramOpts{
 			Name: "kubeproxy_sync_proxy_rules_duration_seconds", Help: "SyncProxyRules latency in seconds", Buckets: buckets}),
+		NetworkProgramming: prometheus.NewHistogram(prometheus.HistogramOpts{
+			Name: "kubeproxy_network_programming_duration_seconds", Help: "In Cluster Network Programming Latency in seconds",
+			Buckets: programmingBuckets()}),
 		SyncFullDuration: prometheus.NewHistogram(prometheus.HistogramOpts{
 			Name: "kubeproxy_sync_full_proxy_rules_duration_seconds", Help: "SyncProxyRules latency in seconds for full resyncs", Buckets: buckets}),
 		SyncPartialDuration: prometheus.NewHistogram(prometheus.HistogramOpts{
@@ -67,9 +71,25 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 		StageRestarts: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "kpipe_stage_restarts_total", Help: "Restarts of a pipeline stage by its supervisor"}, []string{"stage"}),
 	}
-	reg.MustRegister(m.SyncDuration, m.SyncFullDuration, m.SyncPartialDuration, m.LastSync, m.LastQueued,
+	reg.MustRegister(m.SyncDuration, m.NetworkProgramming, m.SyncFullDuration, m.SyncPartialDuration, m.LastSync, m.LastQueued,
 		m.RestoreFailures, m.RulesTotal, m.ServiceChanges, m.EndpointChanges, m.ServicesPending,
 		m.EndpointsPending, m.NoLocalEndpoints, m.HealthzTotal, m.LivezTotal, m.ConntrackDeleted,
 		m.ConntrackDuration, m.Skipped, m.StageRestarts)
 	return m
+}
+
+// programmingBuckets are kube-proxy's buckets for network programming latency:
+// 0.25 s steps to 1 s, then 1 s steps to a minute, 5 s to two, 30 s to five.
+func programmingBuckets() []float64 {
+	b := []float64{0.25, 0.5}
+	for v := 1.0; v <= 59; v++ {
+		b = append(b, v)
+	}
+	for v := 60.0; v < 120; v += 5 {
+		b = append(b, v)
+	}
+	for v := 120.0; v <= 300; v += 30 {
+		b = append(b, v)
+	}
+	return b
 }

@@ -4,7 +4,10 @@
 // Every value here is immutable once sent.
 package bus
 
-import "net/netip"
+import (
+	"net/netip"
+	"time"
+)
 
 // Protocol is a Service port protocol as the API spells it.
 type Protocol string
@@ -101,6 +104,9 @@ type EndpointSlice struct {
 	Family  Family
 	Ports   []EndpointPort
 	Items   []Endpoint
+	// TriggerTime is the endpoints.kubernetes.io/last-change-trigger-time annotation:
+	// when the change that made this slice happened (zero when absent).
+	TriggerTime time.Time
 }
 
 // EndpointPort is one port of an EndpointSlice.

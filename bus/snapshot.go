@@ -32,7 +32,6 @@ type Plan struct {
 	Started    time.Time // when render began, for the sync duration metrics
 	Tables     []TablePayload
 	Programmed *Programmed
-	Skipped    int // service ports render could not program (logged by render)
 	// HealthChecks are the healthCheckNodePort answers this plan implies.
 	HealthChecks HealthChecks
 	// NoLocalEndpoints counts services with a Local policy and no local endpoints,
@@ -76,6 +75,5 @@ type Result struct {
 	Err        error
 	Full       bool
 	At         time.Time
-	Duration   time.Duration
 	Programmed *Programmed // set when OK
 }

@@ -41,6 +41,7 @@ type Stage struct {
 	metrics  *bus.Metrics
 	log      *slog.Logger
 	now      func() time.Time
+	started  time.Time // trigger times before this are from before kpipe watched
 }
 
 // NewStage makes the coalesce stage.
@@ -58,6 +59,9 @@ func NewStage(cfg Config, in <-chan bus.Change, replay *bus.Flag, families []Fam
 type pendingChange struct {
 	seq uint64
 	at  time.Time
+	// triggers are the EndpointSlice trigger times of the changes folded in, for
+	// kubeproxy_network_programming_duration_seconds.
+	triggers []time.Time
 }
 
 // familyState is what coalesce tracks for one family's pipeline.
@@ -80,6 +84,9 @@ type familyState struct {
 // replay; no snapshot goes out before that replay, so a restart never programs an
 // empty state over working rules.
 func (s *Stage) Run(ctx context.Context) error {
+	if s.started.IsZero() {
+		s.started = s.now()
+	}
 	st := bus.State{Services: map[bus.ServiceKey]*bus.Service{}, Slices: map[bus.ServiceKey]map[string]*bus.EndpointSlice{}}
 	synced := false
 	fams := make([]*familyState, len(s.families))
@@ -190,11 +197,15 @@ func (s *Stage) apply(st *bus.State, synced *bool, c bus.Change, seq uint64, fam
 		for _, f := range fams {
 			f.dirty = true
 			if key != (bus.ServiceKey{}) {
-				if _, ok := f.pending[key]; !ok {
-					f.pending[key] = pendingChange{seq: seq, at: now}
-				} else {
-					f.pending[key] = pendingChange{seq: seq, at: f.pending[key].at}
+				p, ok := f.pending[key]
+				if !ok {
+					p.at = now
 				}
+				p.seq = seq
+				if c.Kind == bus.SliceChanged && c.Slice != nil && c.Slice.TriggerTime.After(s.started) {
+					p.triggers = append(p.triggers, c.Slice.TriggerTime)
+				}
+				f.pending[key] = p
 			}
 		}
 	}
@@ -275,7 +286,7 @@ func (s *Stage) result(f *familyState) {
 		backoff := min(max(s.cfg.MinSyncPeriod, 100*time.Millisecond)<<min(f.failures-1, 10), s.cfg.SyncPeriod)
 		f.retryAt = now.Add(backoff)
 		f.full = true
-		s.log.Warn("commit failed; retrying with a full sync", "family", f.Family.Family, "in", backoff, "failures", f.failures)
+		s.log.Warn("commit failed; retrying with a full sync", "family", f.Family.Family, "in", backoff, "failures", f.failures, "err", res.Err)
 		return
 	}
 	f.failures, f.retryAt = 0, time.Time{}
@@ -285,6 +296,9 @@ func (s *Stage) result(f *familyState) {
 	}
 	for k, p := range f.pending {
 		if p.seq <= f.sentSeq {
+			for _, t := range p.triggers {
+				s.metrics.NetworkProgramming.Observe(res.At.Sub(t).Seconds())
+			}
 			delete(f.pending, k)
 		}
 	}

@@ -26,6 +26,7 @@ type harness struct {
 	replay *bus.Flag
 	fams   map[bus.Family]coalesce.Family
 	board  *bus.Board
+	reg    *prometheus.Registry
 	cancel context.CancelFunc
 	done   chan error
 }
@@ -46,7 +47,8 @@ func start(t *testing.T, cfg coalesce.Config, families ...bus.Family) *harness {
 		h.fams[f] = cf
 		fs = append(fs, cf)
 	}
-	metrics := bus.NewMetrics(prometheus.NewRegistry())
+	h.reg = prometheus.NewRegistry()
+	metrics := bus.NewMetrics(h.reg)
 	s := coalesce.NewStage(cfg, h.in, h.replay, fs, h.board, metrics, slog.New(slog.DiscardHandler))
 	ctx, cancel := context.WithCancel(context.Background())
 	h.cancel = cancel
@@ -580,4 +582,43 @@ func TestPeriodicFullSync(t *testing.T) {
 	if !s2.Full {
 		t.Error("periodic sync after FullSyncPeriod is not Full")
 	}
+}
+
+// TestNetworkProgrammingLatency: a slice's last-change-trigger-time is counted in
+// kubeproxy_network_programming_duration_seconds once a commit carries it, and
+// trigger times from before kpipe started watching are not.
+func TestNetworkProgrammingLatency(t *testing.T) {
+	h := start(t, coalesce.Config{})
+	h.send(replayOf(svc(keyA, "10.96.0.1")))
+	h.answer(bus.IPv4, h.take(bus.IPv4), true, &bus.Programmed{})
+
+	old := slice(keyA, "a-1", "10.244.0.1")
+	old.TriggerTime = time.Now().Add(-time.Hour)
+	h.send(bus.Change{Kind: bus.SliceChanged, Key: keyA, SliceName: old.Name, Slice: old})
+	h.answer(bus.IPv4, h.take(bus.IPv4), true, &bus.Programmed{})
+
+	fresh := slice(keyA, "a-2", "10.244.0.2")
+	fresh.TriggerTime = time.Now()
+	time.Sleep(30 * time.Millisecond)
+	h.send(bus.Change{Kind: bus.SliceChanged, Key: keyA, SliceName: fresh.Name, Slice: fresh})
+	snap := h.take(bus.IPv4)
+	if n, _ := programming(h.reg); n != 0 {
+		t.Fatalf("latency observed before the commit: %d samples", n)
+	}
+	h.answer(bus.IPv4, snap, true, &bus.Programmed{})
+	eventually(t, "one latency sample", func() bool { n, _ := programming(h.reg); return n == 1 })
+	if _, sum := programming(h.reg); sum < 0.03 || sum > 3600 {
+		t.Errorf("latency %.3fs; want the time from the trigger (≥ 30 ms) to the commit, not the hour-old one", sum)
+	}
+}
+
+func programming(reg *prometheus.Registry) (uint64, float64) {
+	mfs, _ := reg.Gather()
+	for _, mf := range mfs {
+		if mf.GetName() == "kubeproxy_network_programming_duration_seconds" {
+			h := mf.GetMetric()[0].GetHistogram()
+			return h.GetSampleCount(), h.GetSampleSum()
+		}
+	}
+	return 0, 0
 }

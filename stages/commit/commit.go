@@ -82,7 +82,7 @@ func (s *Stage) Run(ctx context.Context) error {
 		now := time.Now()
 		s.record(plan, start, now)
 		s.out.Results.Put(bus.Result{Family: s.family, Generation: plan.Generation, OK: true, Full: plan.Full, At: now,
-			Duration: now.Sub(start), Programmed: plan.Programmed})
+			Programmed: plan.Programmed})
 		s.out.HealthChecks.Put(bus.HealthCheckUpdates{s.family: plan.HealthChecks})
 		if flows, changed := staleFlows(s.family, last, plan.Programmed); changed {
 			s.out.Flows.Put(flows)

@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"net/netip"
 	"strings"
+	"time"
 
 	corev1 "k8s.io/api/core/v1"
 	discoveryv1 "k8s.io/api/discovery/v1"
@@ -141,6 +142,11 @@ func (c Converter) Slice(s *discoveryv1.EndpointSlice) (*bus.EndpointSlice, []sk
 		return nil, skips
 	}
 	out := &bus.EndpointSlice{Service: bus.ServiceKey{Namespace: s.Namespace, Name: svcName}, Name: s.Name, Family: family}
+	if v := s.Annotations[corev1.EndpointsLastChangeTriggerTime]; v != "" {
+		if t, err := time.Parse(time.RFC3339Nano, v); err == nil {
+			out.TriggerTime = t
+		}
+	}
 	for _, p := range s.Ports {
 		proto := corev1.ProtocolTCP
 		if p.Protocol != nil {

@@ -4,6 +4,7 @@ import (
 	"net/netip"
 	"slices"
 	"testing"
+	"time"
 
 	corev1 "k8s.io/api/core/v1"
 	discoveryv1 "k8s.io/api/discovery/v1"
@@ -590,5 +591,23 @@ func TestConvertNode(t *testing.T) {
 				t.Errorf("Node = %+v; want %+v", *got, tt.want)
 			}
 		})
+	}
+}
+
+// TestConvertSliceTriggerTime: the last-change-trigger-time annotation is read
+// (for the network programming latency metric); a malformed one is ignored.
+func TestConvertSliceTriggerTime(t *testing.T) {
+	withAnnotation := func(v string) *bus.EndpointSlice {
+		out, _ := Converter{}.Slice(endpointSlice("web-1", discoveryv1.AddressTypeIPv4, func(s *discoveryv1.EndpointSlice) {
+			s.Annotations = map[string]string{corev1.EndpointsLastChangeTriggerTime: v}
+		}))
+		return out
+	}
+	want := time.Date(2026, 11, 23, 1, 2, 3, 400000000, time.UTC)
+	if got := withAnnotation("2026-11-23T01:02:03.4Z").TriggerTime; !got.Equal(want) {
+		t.Errorf("TriggerTime = %v; want %v", got, want)
+	}
+	if got := withAnnotation("yesterday").TriggerTime; !got.IsZero() {
+		t.Errorf("TriggerTime = %v for a malformed annotation; want zero", got)
 	}
 }
