@@ -63,9 +63,10 @@ func serve(ctx context.Context, o *Options) error {
 		snapshots, plans := bus.NewMailbox[*bus.Snapshot](), bus.NewMailbox[*bus.Plan]()
 		results, flows := bus.NewMailbox[bus.Result](), bus.NewMergingMailbox(bus.MergeStaleFlows)
 		resync[f] = bus.NewFlag()
-		coalesceIO = append(coalesceIO, coalesce.Family{Family: f, Out: snapshots, Results: results, Resync: resync[f]})
-		rs := render.NewStage(o.renderConfig(f, liberal), snapshots, plans, resync[f], log.With("stage", "render-"+name))
-		cs := commit.NewStage(f, o.localhostNodePorts(), plans, commit.Outputs{Results: results, Resync: resync[f], Flows: flows, HealthChecks: checks},
+		resend := bus.NewFlag()
+		coalesceIO = append(coalesceIO, coalesce.Family{Family: f, Out: snapshots, Results: results, Resync: resync[f], Resend: resend})
+		rs := render.NewStage(o.renderConfig(f, liberal), snapshots, plans, resend, log.With("stage", "render-"+name))
+		cs := commit.NewStage(f, o.localhostNodePorts(), plans, commit.Outputs{Results: results, Resend: resend, Flows: flows, HealthChecks: checks},
 			board, metrics, log.With("stage", "commit-"+name))
 		ct := conntrack.NewStage(f, flows, metrics, log.With("stage", "conntrack-"+name))
 		familyTrees = append(familyTrees, supervise.Tree(name, opts(supervise.RestForOne),

@@ -28,7 +28,8 @@ type Family struct {
 	Family  bus.Family
 	Out     *bus.Mailbox[*bus.Snapshot]
 	Results *bus.Mailbox[bus.Result]
-	Resync  *bus.Flag
+	Resync  *bus.Flag // a full sync is wanted (the tables were flushed)
+	Resend  *bus.Flag // a restarted render or commit lost the snapshot in flight
 }
 
 // Stage is the coalesce stage.
@@ -102,10 +103,12 @@ func (s *Stage) Run(ctx context.Context) error {
 	defer timer.Stop()
 
 	// Up to two families: select on fixed channels, nil for an absent family.
-	resyncC := [2]<-chan struct{}{}
-	resultC := [2]<-chan struct{}{}
+	resyncC, resendC, resultC := [2]<-chan struct{}{}, [2]<-chan struct{}{}, [2]<-chan struct{}{}
 	for i, f := range fams {
 		resyncC[i], resultC[i] = f.Resync.C(), f.Results.Ready()
+		if f.Resend != nil {
+			resendC[i] = f.Resend.C()
+		}
 	}
 
 	for {
@@ -132,6 +135,10 @@ func (s *Stage) Run(ctx context.Context) error {
 			s.resync(fams[0])
 		case <-resyncC[1]:
 			s.resync(fams[1])
+		case <-resendC[0]:
+			s.resend(fams[0])
+		case <-resendC[1]:
+			s.resend(fams[1])
 		case <-resultC[0]:
 			s.result(fams[0])
 		case <-resultC[1]:
@@ -267,6 +274,14 @@ func (s *Stage) apply(st *bus.State, synced *bool, c bus.Change, seq uint64, fam
 	}
 	s.metrics.LastQueued.SetToCurrentTime()
 	s.publish(fams, now)
+}
+
+// resend sends the current state again on top of the last commit that is known to
+// have succeeded: a restarted render or commit lost what was in flight, but the
+// kernel still holds at least that commit (a batch of an interrupted commit may
+// have left extra chains, which the next full sync removes).
+func (s *Stage) resend(f *familyState) {
+	f.dirty, f.inflight = true, 0
 }
 
 func (s *Stage) resync(f *familyState) {

@@ -43,7 +43,7 @@ func start(t *testing.T, cfg coalesce.Config, families ...bus.Family) *harness {
 		board: bus.NewBoard(), done: make(chan error, 1)}
 	var fs []coalesce.Family
 	for _, f := range families {
-		cf := coalesce.Family{Family: f, Out: bus.NewMailbox[*bus.Snapshot](), Results: bus.NewMailbox[bus.Result](), Resync: bus.NewFlag()}
+		cf := coalesce.Family{Family: f, Out: bus.NewMailbox[*bus.Snapshot](), Results: bus.NewMailbox[bus.Result](), Resync: bus.NewFlag(), Resend: bus.NewFlag()}
 		h.fams[f] = cf
 		fs = append(fs, cf)
 	}
@@ -621,4 +621,24 @@ func programming(reg *prometheus.Registry) (uint64, float64) {
 		}
 	}
 	return 0, 0
+}
+
+// TestResendAfterRestartIsPartial: when a restarted render or commit lost the
+// snapshot in flight, coalesce sends the state again, on top of the last commit
+// that succeeded, without a full sync.
+func TestResendAfterRestartIsPartial(t *testing.T) {
+	h := start(t, coalesce.Config{})
+	h.send(replayOf(svc(keyA, "10.96.0.1")))
+	prog := &bus.Programmed{Chains: map[string]uint64{"nat/KUBE-SERVICES": 1}}
+	h.answer(bus.IPv4, h.take(bus.IPv4), true, prog)
+	h.send(bus.Change{Kind: bus.ServiceChanged, Key: keyB, Service: svc(keyB, "10.96.0.2")})
+	lost := h.take(bus.IPv4) // in flight, never answered
+	h.fams[bus.IPv4].Resend.Raise()
+	again := h.take(bus.IPv4)
+	if again.Full || again.Committed != prog || again.Generation == lost.Generation {
+		t.Fatalf("resent snapshot gen %d full=%v committed=%p; want a new partial one on top of %p", again.Generation, again.Full, again.Committed, prog)
+	}
+	if _, ok := again.State.Services[keyB]; !ok {
+		t.Error("the resent snapshot lacks the change that was in flight")
+	}
 }

@@ -20,7 +20,7 @@ import (
 // Outputs are where commit sends what follows a successful commit.
 type Outputs struct {
 	Results      *bus.Mailbox[bus.Result]
-	Resync       *bus.Flag
+	Resend       *bus.Flag
 	Flows        *bus.Mailbox[bus.StaleFlows]
 	HealthChecks *bus.Mailbox[bus.HealthCheckUpdates]
 }
@@ -59,8 +59,11 @@ func (s *Stage) Run(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
-	// We do not know what the kernel holds: ask for a full sync.
-	s.out.Resync.Raise()
+	// A plan a previous run was applying is lost: ask for it again. (At start-up
+	// coalesce's first snapshot is a full sync anyway.)
+	if s.out.Resend != nil {
+		s.out.Resend.Raise()
+	}
 	var last *bus.Programmed
 	for {
 		plan, err := s.in.Take(ctx)

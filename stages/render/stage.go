@@ -13,19 +13,19 @@ type Stage struct {
 	cfg    Config
 	in     *bus.Mailbox[*bus.Snapshot]
 	out    *bus.Mailbox[*bus.Plan]
-	resync *bus.Flag
+	resend *bus.Flag
 	log    *slog.Logger
 }
 
 // NewStage makes the render stage of one family.
-func NewStage(cfg Config, in *bus.Mailbox[*bus.Snapshot], out *bus.Mailbox[*bus.Plan], resync *bus.Flag, log *slog.Logger) *Stage {
-	return &Stage{cfg: cfg, in: in, out: out, resync: resync, log: log}
+func NewStage(cfg Config, in *bus.Mailbox[*bus.Snapshot], out *bus.Mailbox[*bus.Plan], resend *bus.Flag, log *slog.Logger) *Stage {
+	return &Stage{cfg: cfg, in: in, out: out, resend: resend, log: log}
 }
 
 // Run renders until ctx ends.
 func (s *Stage) Run(ctx context.Context) error {
-	// A snapshot taken by a previous run that crashed is lost: ask for a new one.
-	s.resync.Raise()
+	// A snapshot taken by a previous run that crashed is lost: ask for it again.
+	s.resend.Raise()
 	renderer := NewRenderer(s.cfg)
 	for {
 		snap, err := s.in.Take(ctx)
