@@ -60,6 +60,8 @@ func NewStage(cfg Config, in <-chan bus.Change, replay *bus.Flag, families []Fam
 type pendingChange struct {
 	seq uint64
 	at  time.Time
+	// service and endpoints say what changed, for the pending-changes gauges.
+	service, endpoints bool
 	// triggers are the EndpointSlice trigger times of the changes folded in, for
 	// kubeproxy_network_programming_duration_seconds.
 	triggers []time.Time
@@ -209,6 +211,8 @@ func (s *Stage) apply(st *bus.State, synced *bool, c bus.Change, seq uint64, fam
 					p.at = now
 				}
 				p.seq = seq
+				p.service = p.service || c.Kind == bus.ServiceChanged
+				p.endpoints = p.endpoints || c.Kind == bus.SliceChanged
 				if c.Kind == bus.SliceChanged && c.Slice != nil && c.Slice.TriggerTime.After(s.started) {
 					p.triggers = append(p.triggers, c.Slice.TriggerTime)
 				}
@@ -354,7 +358,17 @@ func (s *Stage) publish(fams []*familyState, now time.Time) {
 		s.board.Update(f.name, func(r *bus.Report) { r.PendingSince = oldest; r.LastQueued = now })
 	}
 	if len(fams) > 0 {
-		s.metrics.ServicesPending.Set(float64(len(fams[0].pending)))
+		services, endpoints := 0, 0
+		for _, p := range fams[0].pending {
+			if p.service {
+				services++
+			}
+			if p.endpoints {
+				endpoints++
+			}
+		}
+		s.metrics.ServicesPending.Set(float64(services))
+		s.metrics.EndpointsPending.Set(float64(endpoints))
 	}
 }
 
