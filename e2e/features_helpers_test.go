@@ -4,7 +4,6 @@ import (
 	"bufio"
 	"errors"
 	"fmt"
-	"sort"
 	"strconv"
 	"strings"
 	"testing"
@@ -221,23 +220,7 @@ func sample(d dialer, ns, addr string, n int) (hits, error) {
 
 // exactly says whether the answering endpoints are exactly want.
 func (h hits) exactly(want []string) error {
-	var missing, extra []string
-	for _, w := range want {
-		if h.endpoints[w] == 0 {
-			missing = append(missing, w)
-		}
-	}
-	for ep := range h.endpoints {
-		found := false
-		for _, w := range want {
-			found = found || ep == w
-		}
-		if !found {
-			extra = append(extra, ep)
-		}
-	}
-	sort.Strings(extra)
-	if len(missing) > 0 || len(extra) > 0 {
+	if missing, extra := compareAnswerers(h.endpoints, want); len(missing) > 0 || len(extra) > 0 {
 		return fmt.Errorf("%v: endpoints that never answered %v, unexpected answerers %v", h, missing, extra)
 	}
 	return nil

@@ -8,6 +8,7 @@ import (
 	"errors"
 	"fmt"
 	"regexp"
+	"slices"
 	"sort"
 	"strings"
 	"sync"
@@ -205,25 +206,26 @@ func spread(t *testing.T, d dialer, ns, addr string, n int) map[string]int {
 // other key.
 func requireExactly(t *testing.T, seen map[string]int, want []string) {
 	t.Helper()
-	var missing, extra []string
+	if missing, extra := compareAnswerers(seen, want); len(missing) > 0 || len(extra) > 0 {
+		t.Fatalf("answers by endpoint %v: endpoints that never answered %v, unexpected answerers %v", seen, missing, extra)
+	}
+}
+
+// compareAnswerers lists the wanted endpoints that never answered and the
+// answerers that were not wanted.
+func compareAnswerers(seen map[string]int, want []string) (missing, extra []string) {
 	for _, w := range want {
 		if seen[w] == 0 {
 			missing = append(missing, w)
 		}
 	}
 	for k := range seen {
-		found := false
-		for _, w := range want {
-			found = found || k == w
-		}
-		if !found {
+		if !slices.Contains(want, k) {
 			extra = append(extra, k)
 		}
 	}
 	sort.Strings(extra)
-	if len(missing) > 0 || len(extra) > 0 {
-		t.Fatalf("answers by endpoint %v: endpoints that never answered %v, unexpected answerers %v", seen, missing, extra)
-	}
+	return missing, extra
 }
 
 // stageStatus is one element of GET /debug/stages.

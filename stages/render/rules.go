@@ -1,0 +1,482 @@
+package render
+
+import (
+	"fmt"
+	"net/netip"
+	"slices"
+	"strconv"
+	"strings"
+
+	"github.com/kpipe/kpipe/bus"
+	nf "github.com/kpipe/kpipe/netfilter"
+)
+
+type renderer struct {
+	cfg        Config
+	snap       *bus.Snapshot
+	nat        *table
+	filter     *table
+	mark       string // masquerade mark, as "0x4000/0x4000"
+	isLocal    []string
+	isNotLocal []string
+	zone       string
+	udp        map[netip.AddrPort][]netip.AddrPort
+	checks     map[bus.ServiceKey]bus.HealthCheck
+	noLocal    map[string]int
+}
+
+func newRenderer(cfg Config, snap *bus.Snapshot) *renderer {
+	r := &renderer{
+		cfg: cfg, snap: snap,
+		nat: newTable(nf.TableNAT), filter: newTable(nf.TableFilter),
+		udp: map[netip.AddrPort][]netip.AddrPort{}, checks: map[bus.ServiceKey]bus.HealthCheck{},
+		noLocal: map[string]int{"internal": 0, "external": 0},
+	}
+	m := fmt.Sprintf("0x%x", uint32(1)<<uint(cfg.MasqueradeBit))
+	r.mark = m + "/" + m
+	if node := snap.State.Node; node != nil {
+		r.zone = node.Zone
+	}
+	r.isLocal, r.isNotLocal = r.localDetector()
+	return r
+}
+
+// localDetector returns the match that says "this packet comes from a local pod"
+// and its negation, or nils when the mode cannot tell (yet).
+func (r *renderer) localDetector() (isLocal, isNotLocal []string) {
+	switch r.cfg.DetectLocal {
+	case DetectClusterCIDR, "":
+		if len(r.cfg.ClusterCIDRs) > 0 {
+			c := r.cfg.ClusterCIDRs[0].String()
+			return []string{"-s", c}, []string{"!", "-s", c}
+		}
+	case DetectNodeCIDR:
+		if node := r.snap.State.Node; node != nil {
+			for _, p := range node.PodCIDRs {
+				if bus.FamilyOf(p.Addr()) == r.cfg.Family {
+					return []string{"-s", p.String()}, []string{"!", "-s", p.String()}
+				}
+			}
+		}
+	case DetectBridgeInterface:
+		return []string{"-i", r.cfg.BridgeInterface}, []string{"!", "-i", r.cfg.BridgeInterface}
+	case DetectInterfacePrefix:
+		return []string{"-i", r.cfg.InterfacePrefix + "+"}, []string{"!", "-i", r.cfg.InterfacePrefix + "+"}
+	}
+	return nil, nil
+}
+
+func comment(text string) []string { return []string{"-m", "comment", "--comment", `"` + text + `"`} }
+
+func join(parts ...[]string) []string {
+	var out []string
+	for _, p := range parts {
+		out = append(out, p...)
+	}
+	return out
+}
+
+// writeFixedChains writes the chains every sync has, in kube-proxy's shape.
+func (r *renderer) writeFixedChains() {
+	for _, c := range []string{nf.ChainServices, nf.ChainNodePorts, nf.ChainPostrouting, nf.ChainMarkMasq} {
+		r.nat.declare(c)
+	}
+	for _, c := range []string{nf.ChainServices, nf.ChainExternalServices, nf.ChainForward, nf.ChainNodePorts, nf.ChainProxyFirewall} {
+		r.filter.declare(c)
+	}
+	r.nat.add(nf.ChainPostrouting, "-m", "mark", "!", "--mark", r.mark, "-j", "RETURN")
+	r.nat.add(nf.ChainPostrouting, "-j", "MARK", "--xor-mark", strings.Split(r.mark, "/")[0])
+	r.nat.rule(nf.ChainPostrouting, comment("kubernetes service traffic requiring SNAT"), []string{"-j", "MASQUERADE", "--random-fully"})
+	r.nat.add(nf.ChainMarkMasq, "-j", "MARK", "--or-mark", strings.Split(r.mark, "/")[0])
+
+	if !r.cfg.ConntrackLiberal {
+		r.filter.add(nf.ChainForward, "-m", "conntrack", "--ctstate", "INVALID", "-j", "DROP")
+	}
+	r.filter.rule(nf.ChainForward, comment("kubernetes forwarding rules"), []string{"-m", "mark", "--mark", r.mark, "-j", "ACCEPT"})
+	r.filter.rule(nf.ChainForward, comment("kubernetes forwarding conntrack rule"), []string{"-m", "conntrack", "--ctstate", "RELATED,ESTABLISHED", "-j", "ACCEPT"})
+	if r.cfg.LocalhostNodePortsActive() {
+		r.filter.add(nf.ChainLocalnetFirewall, join(comment("block incoming localnet connections"),
+			[]string{"-d", "127.0.0.0/8", "!", "-s", "127.0.0.0/8", "-m", "conntrack", "!", "--ctstate", "RELATED,ESTABLISHED,DNAT", "-j", "DROP"})...)
+	}
+}
+
+// servicePort is everything render derives for one port of one service.
+type servicePort struct {
+	svc        *bus.Service
+	port       bus.Port
+	name       bus.ServicePortName
+	label      string // "ns/name:port", the comment kube-proxy puts on its rules
+	proto      []string
+	clusterIP  netip.Addr
+	externals  []netip.Addr
+	lbIPs      []netip.Addr
+	sources    []netip.Prefix
+	extLocal   bool
+	intLocal   bool
+	svcChain   string
+	svlChain   string
+	extChain   string
+	fwChain    string
+	endpoints  categorized
+	externally bool
+}
+
+func (r *renderer) ofFamily(addrs []netip.Addr) []netip.Addr {
+	var out []netip.Addr
+	for _, a := range addrs {
+		if bus.FamilyOf(a) == r.cfg.Family {
+			out = append(out, a)
+		}
+	}
+	return out
+}
+
+func (r *renderer) writeServicePort(svc *bus.Service, port bus.Port) {
+	cips := r.ofFamily(svc.ClusterIPs)
+	if len(cips) == 0 {
+		return // not a service of this family
+	}
+	name := svc.PortName(port)
+	sp := &servicePort{
+		svc: svc, port: port, name: name, label: name.String(),
+		clusterIP: cips[0], externals: r.ofFamily(svc.ExternalIPs), lbIPs: r.ofFamily(svc.LoadBalancerIPs),
+		intLocal: svc.InternalPolicyLocal,
+		svcChain: nf.ServiceChain(nf.PrefixService, name), svlChain: nf.ServiceChain(nf.PrefixServiceLocal, name),
+		extChain: nf.ServiceChain(nf.PrefixExternal, name), fwChain: nf.ServiceChain(nf.PrefixFirewall, name),
+	}
+	p := strings.ToLower(string(port.Protocol))
+	sp.proto = []string{"-m", p, "-p", p}
+	for _, s := range svc.LoadBalancerSourceRanges {
+		if bus.FamilyOf(s.Addr()) == r.cfg.Family {
+			sp.sources = append(sp.sources, s)
+		}
+	}
+	sp.externally = port.NodePort != 0 || len(sp.externals) > 0 || len(sp.lbIPs) > 0
+	sp.extLocal = svc.ExternalPolicyLocal && sp.externally
+	usesCluster := !sp.intLocal || sp.externally
+	usesLocal := sp.intLocal || sp.extLocal
+	eps := endpointsFor(r.snap.State.Slices[svc.ServiceKey], r.cfg.Family, port, r.cfg.NodeName)
+	sp.endpoints = categorize(eps, usesCluster, usesLocal, r.cfg.NodeName, r.zone)
+	r.writeRules(sp)
+}
+
+func (r *renderer) writeRules(sp *servicePort) {
+	eps := sp.endpoints
+	hasEndpoints := eps.hasAny
+	usesClusterChain := len(eps.cluster) > 0 && (!sp.intLocal || sp.externally)
+	usesLocalChain := len(eps.local) > 0 && (sp.intLocal || sp.extLocal)
+	internalChain, externalPolicyChain := sp.svcChain, sp.svcChain
+	hasInternal, hasExternal := hasEndpoints, hasEndpoints
+	if sp.intLocal {
+		internalChain, hasInternal = sp.svlChain, len(eps.local) > 0
+	}
+	if sp.extLocal {
+		externalPolicyChain, hasExternal = sp.svlChain, len(eps.local) > 0
+	}
+	usesExtChain := hasEndpoints && sp.externally
+	usesFW := hasEndpoints && len(sp.sources) > 0 && len(sp.lbIPs) > 0
+	lbChain := sp.extChain
+	if usesFW {
+		lbChain = sp.fwChain
+	}
+
+	intTarget, intComment := "REJECT", sp.label+" has no endpoints"
+	extTarget, extComment := intTarget, intComment
+	if hasEndpoints {
+		if !hasInternal {
+			intTarget, intComment = "DROP", sp.label+" has no local endpoints"
+			r.noLocal["internal"]++
+		}
+		if !hasExternal {
+			extTarget, extComment = "DROP", sp.label+" has no local endpoints"
+			r.noLocal["external"]++
+		}
+	}
+	dport := []string{"--dport", strconv.Itoa(int(sp.port.Port))}
+
+	// Cluster IP.
+	cip := join(sp.proto, []string{"-d", hostCIDR(sp.clusterIP)}, dport)
+	if hasInternal {
+		args := join(comment(sp.label+" cluster IP"), cip)
+		if r.cfg.MasqueradeAll {
+			r.nat.rule(internalChain, args, []string{"-j", nf.ChainMarkMasq})
+		} else if r.isNotLocal != nil {
+			// Off-cluster traffic to a ClusterIP (a static route to the service range)
+			// may leave the node again, so it is masqueraded.
+			r.nat.rule(internalChain, args, r.isNotLocal, []string{"-j", nf.ChainMarkMasq})
+		}
+		r.nat.rule(nf.ChainServices, args, []string{"-j", internalChain})
+	} else {
+		r.filter.rule(nf.ChainServices, comment(intComment), cip, []string{"-j", intTarget})
+	}
+
+	// The policy chains: after the masquerade rule above, so it runs before any DNAT.
+	if usesClusterChain {
+		r.writeEndpoints(sp, sp.svcChain, eps.cluster)
+	}
+	if usesLocalChain {
+		r.writeEndpoints(sp, sp.svlChain, eps.local)
+	}
+
+	// External IPs.
+	for _, ip := range sp.externals {
+		dst := join(sp.proto, []string{"-d", hostCIDR(ip)}, dport)
+		if hasEndpoints {
+			r.nat.rule(nf.ChainServices, comment(sp.label+" external IP"), dst, []string{"-j", sp.extChain})
+		}
+		if !hasExternal {
+			r.filter.rule(nf.ChainExternalServices, comment(extComment), dst, []string{"-j", extTarget})
+		}
+	}
+
+	// Load-balancer IPs.
+	for _, ip := range sp.lbIPs {
+		dst := join(sp.proto, []string{"-d", hostCIDR(ip)}, dport)
+		if hasEndpoints {
+			r.nat.rule(nf.ChainServices, comment(sp.label+" loadbalancer IP"), dst, []string{"-j", lbChain})
+		}
+		if usesFW {
+			r.filter.rule(nf.ChainProxyFirewall, comment(sp.label+" traffic not accepted by "+sp.fwChain), dst, []string{"-j", "DROP"})
+		}
+		if !hasExternal {
+			r.filter.rule(nf.ChainExternalServices, comment(extComment), dst, []string{"-j", extTarget})
+		}
+	}
+
+	// NodePort.
+	if np := sp.port.NodePort; np != 0 {
+		npPort := []string{"--dport", strconv.Itoa(int(np))}
+		if hasEndpoints {
+			r.nat.rule(nf.ChainNodePorts, comment(sp.label), sp.proto, npPort, []string{"-j", sp.extChain})
+		}
+		if !hasExternal {
+			r.filter.rule(nf.ChainExternalServices, comment(extComment), []string{"-m", "addrtype", "--dst-type", "LOCAL"}, sp.proto, npPort, []string{"-j", extTarget})
+		}
+	}
+
+	// Health-check node port: let it in, and tell health how many local endpoints there are.
+	if hc := sp.svc.HealthCheckNodePort; hc != 0 && sp.extLocal {
+		if _, done := r.checks[sp.svc.ServiceKey]; !done {
+			r.filter.rule(nf.ChainNodePorts, comment(sp.label+" health check node port"), []string{"-m", "tcp", "-p", "tcp", "--dport", strconv.Itoa(int(hc)), "-j", "ACCEPT"})
+		}
+		r.checks[sp.svc.ServiceKey] = bus.HealthCheck{NodePort: hc, LocalEndpoints: max(r.checks[sp.svc.ServiceKey].LocalEndpoints, countReadyLocal(eps.local))}
+	}
+
+	// The external-traffic chain: masquerade, and with a Local policy the
+	// short-circuit for traffic that starts on this node.
+	if usesExtChain {
+		r.nat.declare(sp.extChain)
+		if !sp.extLocal {
+			r.nat.rule(sp.extChain, comment("masquerade traffic for "+sp.label+" external destinations"), []string{"-j", nf.ChainMarkMasq})
+		} else {
+			if r.isLocal != nil && usesClusterChain {
+				r.nat.rule(sp.extChain, comment("pod traffic for "+sp.label+" external destinations"), r.isLocal, []string{"-j", sp.svcChain})
+			}
+			r.nat.rule(sp.extChain, comment("masquerade LOCAL traffic for "+sp.label+" external destinations"), []string{"-m", "addrtype", "--src-type", "LOCAL", "-j", nf.ChainMarkMasq})
+			if usesClusterChain {
+				r.nat.rule(sp.extChain, comment("route LOCAL traffic for "+sp.label+" external destinations"), []string{"-m", "addrtype", "--src-type", "LOCAL", "-j", sp.svcChain})
+			}
+		}
+		if hasExternal {
+			r.nat.add(sp.extChain, "-j", externalPolicyChain)
+		}
+	}
+
+	// The firewall chain for loadBalancerSourceRanges: allowed sources go on, the
+	// rest fall through undNATted and KUBE-PROXY-FIREWALL drops them.
+	if usesFW {
+		r.nat.declare(sp.fwChain)
+		args := comment(sp.label + " loadbalancer IP")
+		allowNode := false
+		for _, src := range sp.sources {
+			r.nat.rule(sp.fwChain, args, []string{"-s", src.String(), "-j", sp.extChain})
+			allowNode = allowNode || r.nodeIPIn(src)
+		}
+		if allowNode {
+			// A request from the node to a VIP that is a local address loops back
+			// with the VIP as its source.
+			for _, ip := range sp.lbIPs {
+				r.nat.rule(sp.fwChain, args, []string{"-s", hostCIDR(ip), "-j", sp.extChain})
+			}
+		}
+		r.nat.rule(sp.fwChain, args, comment("other traffic to "+sp.label+" will be dropped by KUBE-PROXY-FIREWALL"))
+	}
+
+	if sp.port.Protocol == bus.UDP {
+		r.recordUDP(sp, hasInternal, hasExternal)
+	}
+}
+
+// writeEndpoints writes the load-balancing rules of a policy chain. Endpoints are
+// inline DNAT rules rather than kube-proxy's per-endpoint KUBE-SEP- chains:
+// iptables-restore --noflush on nf_tables costs much more per chain than per rule.
+func (r *renderer) writeEndpoints(sp *servicePort, chain string, eps []endpoint) {
+	r.nat.declare(chain)
+	affinity := sp.svc.AffinitySeconds > 0
+	// Each endpoint is either an inline DNAT or, for an endpoint on this node, a jump
+	// to its own KUBE-SEP- chain: only a local pod can be sent back to itself
+	// (hairpin), and only that case must be masqueraded, so the reply comes back
+	// through the node. Remote endpoints need no chain: iptables-restore --noflush
+	// on nf_tables costs much more per chain than per rule.
+	target := make([][]string, len(eps))
+	recent := make([]string, len(eps))
+	for i, e := range eps {
+		sep := nf.EndpointName(sp.name, e.addr.String())
+		recent[i] = sep // kube-proxy names the affinity list after the endpoint chain
+		if e.local {
+			r.writeEndpointChain(sp, sep, e, affinity)
+			target[i] = []string{"-j", sep}
+		} else {
+			target[i] = []string{"-j", "DNAT", "--to-destination", e.addr.String()}
+		}
+	}
+	if affinity {
+		secs := strconv.Itoa(int(sp.svc.AffinitySeconds))
+		for i, e := range eps {
+			// A returning client renews its affinity: the KUBE-SEP- chain does that
+			// with --set; an inline DNAT with --update (check and set in one).
+			check := "--update"
+			if e.local {
+				check = "--rcheck"
+			}
+			r.nat.rule(chain, comment(sp.label+" -> "+e.addr.String()),
+				[]string{"-m", "recent", "--name", recent[i], check, "--seconds", secs, "--reap"}, sp.proto, target[i])
+		}
+	}
+	for i, e := range eps {
+		var pick, set []string
+		if n := len(eps) - i; n > 1 {
+			pick = []string{"-m", "statistic", "--mode", "random", "--probability", probability(n)}
+		}
+		if affinity && !e.local {
+			set = []string{"-m", "recent", "--name", recent[i], "--set"}
+		}
+		r.nat.rule(chain, comment(sp.label+" -> "+e.addr.String()), pick, set, sp.proto, target[i])
+	}
+}
+
+// writeEndpointChain writes the KUBE-SEP- chain of a local endpoint (once, even when
+// both the cluster and the local policy chain use it).
+func (r *renderer) writeEndpointChain(sp *servicePort, sep string, e endpoint, affinity bool) {
+	if _, done := r.nat.chains[sep]; done {
+		return
+	}
+	label := comment(sp.label)
+	r.nat.rule(sep, label, []string{"-s", hostCIDR(e.addr.Addr()), "-j", nf.ChainMarkMasq})
+	var set []string
+	if affinity {
+		set = []string{"-m", "recent", "--name", sep, "--set"}
+	}
+	r.nat.rule(sep, label, set, sp.proto, []string{"-j", "DNAT", "--to-destination", e.addr.String()})
+}
+
+func probability(n int) string { return fmt.Sprintf("%0.10f", 1.0/float64(n)) }
+
+func hostCIDR(a netip.Addr) string {
+	return netip.PrefixFrom(a, a.BitLen()).String()
+}
+
+func countReadyLocal(eps []endpoint) int {
+	n := 0
+	for _, e := range eps {
+		if e.local && e.ready {
+			n++
+		}
+	}
+	return n
+}
+
+func (r *renderer) nodeIPIn(p netip.Prefix) bool {
+	if node := r.snap.State.Node; node != nil {
+		for _, a := range node.Addrs {
+			if p.Contains(a) {
+				return true
+			}
+		}
+	}
+	return false
+}
+
+// recordUDP notes which endpoints each UDP front-end now reaches, for conntrack.
+func (r *renderer) recordUDP(sp *servicePort, hasInternal, hasExternal bool) {
+	port := uint16(sp.port.Port)
+	internal, external := sp.endpoints.cluster, sp.endpoints.reachable
+	if sp.intLocal {
+		internal = sp.endpoints.local
+	}
+	if !hasInternal {
+		internal = nil
+	}
+	if !hasExternal {
+		external = nil
+	}
+	r.udp[netip.AddrPortFrom(sp.clusterIP, port)] = addrPorts(internal)
+	for _, ip := range append(append([]netip.Addr{}, sp.externals...), sp.lbIPs...) {
+		r.udp[netip.AddrPortFrom(ip, port)] = addrPorts(external)
+	}
+	if sp.port.NodePort != 0 {
+		any := netip.IPv4Unspecified()
+		if r.cfg.Family == bus.IPv6 {
+			any = netip.IPv6Unspecified()
+		}
+		r.udp[netip.AddrPortFrom(any, uint16(sp.port.NodePort))] = addrPorts(external)
+	}
+}
+
+func addrPorts(eps []endpoint) []netip.AddrPort {
+	out := make([]netip.AddrPort, 0, len(eps))
+	for _, e := range eps {
+		out = append(out, e.addr)
+	}
+	return out
+}
+
+// writeNodePortsTail sends traffic for local addresses to KUBE-NODEPORTS; it must be
+// the last rule of KUBE-SERVICES.
+func (r *renderer) writeNodePortsTail() {
+	const text = "kubernetes service nodeports; NOTE: this must be the last rule in this chain"
+	targets := r.nodePortIPs()
+	if targets == nil {
+		dst := []string{"-m", "addrtype", "--dst-type", "LOCAL"}
+		if r.cfg.Family == bus.IPv6 {
+			dst = append(dst, "!", "-d", "::1/128")
+		} else if !r.cfg.LocalhostNodePorts {
+			dst = append(dst, "!", "-d", "127.0.0.0/8")
+		}
+		r.nat.rule(nf.ChainServices, comment(text), dst, []string{"-j", nf.ChainNodePorts})
+		return
+	}
+	for _, ip := range targets {
+		if ip.IsLoopback() && !r.cfg.LocalhostNodePortsActive() {
+			continue
+		}
+		r.nat.rule(nf.ChainServices, comment(text), []string{"-d", hostCIDR(ip), "-j", nf.ChainNodePorts})
+	}
+}
+
+// nodePortIPs lists the addresses NodePorts answer on, or nil for "every local address".
+func (r *renderer) nodePortIPs() []netip.Addr {
+	switch {
+	case r.cfg.NodePortPrimary:
+		out := []netip.Addr{}
+		if node := r.snap.State.Node; node != nil {
+			if ips := r.ofFamily(node.Addrs); len(ips) > 0 {
+				out = append(out, ips[0])
+			}
+		}
+		return out
+	case len(r.cfg.NodePortAddresses) > 0:
+		out := []netip.Addr{}
+		for _, a := range r.ofFamily(r.snap.State.LocalAddrs) {
+			for _, p := range r.cfg.NodePortAddresses {
+				if p.Contains(a) {
+					out = append(out, a)
+					break
+				}
+			}
+		}
+		slices.SortFunc(out, netip.Addr.Compare)
+		return slices.Compact(out)
+	}
+	return nil
+}
