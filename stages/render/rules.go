@@ -11,6 +11,8 @@ import (
 	nf "github.com/kpipe/kpipe/netfilter"
 )
 
+// renderer writes the rules of one snapshot (or of one service, for the cache)
+// into a nat and a filter table, and collects what the plan reports besides them.
 type renderer struct {
 	cfg        Config
 	snap       *bus.Snapshot
