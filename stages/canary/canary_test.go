@@ -1,0 +1,65 @@
+package canary
+
+import (
+	"fmt"
+	"log/slog"
+	"os/exec"
+	"testing"
+	"time"
+
+	"github.com/kpipe/kpipe/bus"
+	nf "github.com/kpipe/kpipe/netfilter"
+	"github.com/kpipe/kpipe/netfilter/netnstest"
+)
+
+// TestFlushIsNoticed: after `iptables -F` (the chain stays, its rule goes) or `-X`
+// (the chain goes) in any table, the check asks for a full resync and puts the
+// canary back; with the canaries in place it asks for nothing. Real iptables, in a
+// throwaway network namespace.
+func TestFlushIsNoticed(t *testing.T) {
+	if _, err := exec.LookPath("iptables"); err != nil {
+		t.Skip("iptables not installed (go tool task setup)")
+	}
+	netnstest.New(t).Run(t, func() error {
+		resync := bus.NewFlag()
+		s := NewStage(time.Hour, map[bus.Family]*bus.Flag{bus.IPv4: resync}, slog.New(slog.DiscardHandler))
+		rules, err := nf.NewRules(bus.IPv4)
+		if err != nil {
+			return err
+		}
+		if err := rules.EnsureCanaries(tables); err != nil {
+			return err
+		}
+		if err := s.check(bus.IPv4, rules); err != nil {
+			return err
+		}
+		if resync.Lower() {
+			return fmt.Errorf("resync asked for with every canary in place")
+		}
+		for _, table := range tables {
+			for _, flush := range [][][]string{
+				{{"-t", table, "-F"}},                 // the whole table
+				{{"-t", table, "-F", nf.ChainCanary}}, // the canary's rule
+				{{"-t", table, "-F", nf.ChainCanary}, {"-t", table, "-X", nf.ChainCanary}}, // the chain itself
+			} {
+				for _, args := range flush {
+					if out, err := exec.Command("iptables", args...).CombinedOutput(); err != nil {
+						return fmt.Errorf("iptables %v: %v %s", args, err, out)
+					}
+				}
+				if err := s.check(bus.IPv4, rules); err != nil {
+					return err
+				}
+				if !resync.Lower() {
+					return fmt.Errorf("iptables %v went unnoticed", flush)
+				}
+				for _, t := range tables {
+					if !rules.CanaryAlive(t) {
+						return fmt.Errorf("canary in %s not restored after iptables %v", t, flush)
+					}
+				}
+			}
+		}
+		return nil
+	})
+}
