@@ -63,7 +63,7 @@ func (o *Options) addFlags(fs *pflag.FlagSet) {
 	fs.StringVar(&o.HealthzBindAddress, "healthz-bind-address", o.HealthzBindAddress, "The IP:port for the health check server; empty disables it.")
 	fs.StringVar(&o.MetricsBindAddress, "metrics-bind-address", o.MetricsBindAddress, "The IP:port for the metrics server; empty disables it.")
 	fs.BoolVar(&o.EnableDebugHandlers, "enable-debug-handlers", o.EnableDebugHandlers, "Serve pprof and /debug/stages on the metrics address.")
-	fs.DurationVar(&o.SyncPeriod, "iptables-sync-period", o.SyncPeriod, "The longest time between syncs of the rules (e.g. '5s', '1m').")
+	fs.DurationVar(&o.SyncPeriod, "iptables-sync-period", o.SyncPeriod, "How often re-synchronizing and cleanup runs (the canary check, the health timeout is twice this).")
 	fs.DurationVar(&o.MinSyncPeriod, "iptables-min-sync-period", o.MinSyncPeriod, "The shortest time between syncs of the rules after the first two in a burst.")
 	fs.DurationVar(&o.CanaryInterval, "canary-interval", o.CanaryInterval, "How often to check the canary chains (default: the sync period).")
 	fs.BoolVar(&o.MasqueradeAll, "masquerade-all", o.MasqueradeAll, "SNAT all traffic sent through service IPs.")
