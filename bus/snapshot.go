@@ -15,6 +15,10 @@ type Snapshot struct {
 	// failed commit, a canary that disappeared).
 	Changed map[ServiceKey]bool
 	Full    bool
+	// Refresh asks for kube-proxy's periodic sync: the top-level chains are
+	// rewritten and the jumps into them re-ensured even if nothing changed, so a
+	// rule removed by hand comes back within --iptables-sync-period.
+	Refresh bool
 	// QueuedAt is when the oldest change this snapshot carries was queued.
 	QueuedAt time.Time
 	// Committed is what the last successful commit of this family left in the
@@ -29,6 +33,7 @@ type Plan struct {
 	Generation uint64
 	QueuedAt   time.Time
 	Full       bool
+	Refresh    bool
 	Started    time.Time // when render began, for the sync duration metrics
 	Tables     []TablePayload
 	Programmed *Programmed

@@ -404,3 +404,59 @@ func TestClusterIPSCTPRules(t *testing.T) {
 		return nil
 	})
 }
+
+// TestPeriodicSyncRepairsDeletedRules: rules removed by hand that the canary cannot
+// see (the jump from PREROUTING, a service's rule in KUBE-SERVICES) come back within
+// the sync period (5 s here), as kube-proxy's periodic sync brings them back.
+func TestPeriodicSyncRepairsDeletedRules(t *testing.T) {
+	e := setup(t)
+	svc := e.service("echo", testbed.Port("http", corev1.ProtocolTCP, 80, testbed.EchoPort))
+	e.endpoints(svc, 1, 2)
+	addr := testbed.ClusterAddr(svc, 80)
+	client := tb.Pod(clientPod).NS
+	waitAnswer(t, tcp(2*time.Second), client, addr, 20*time.Second)
+
+	nat := e.iptablesSave("nat")
+	serviceRule := ""
+	for _, l := range strings.Split(nat, "\n") {
+		if strings.HasPrefix(l, "-A KUBE-SERVICES ") && strings.Contains(l, testbed.ServiceComment(e.ns, svc.Name, "http")+" cluster IP") {
+			serviceRule = l
+		}
+	}
+	if serviceRule == "" {
+		t.Fatalf("no KUBE-SERVICES rule for the service:\n%s", filterRules(nat, e.ns+"/"))
+	}
+	for _, round := range []struct {
+		name string
+		del  []string
+	}{
+		{"the jump from PREROUTING", []string{"iptables", "-t", "nat", "-D", "PREROUTING", "-m", "comment", "--comment", "kubernetes service portals", "-j", "KUBE-SERVICES"}},
+		{"the service's KUBE-SERVICES rule", append([]string{"iptables", "-t", "nat", "-D"}, ruleArgs(strings.TrimPrefix(serviceRule, "-A "))...)},
+	} {
+		if out, err := tb.Exec(tb.NodeNS, round.del...); err != nil {
+			t.Fatalf("delete %s: %v %s", round.name, err, out)
+		}
+		start := time.Now()
+		if _, err := tb.DialTCP(client, addr, 500*time.Millisecond); err == nil {
+			t.Fatalf("deleted %s, yet the service still answers: the test deleted nothing that matters", round.name)
+		}
+		testbed.Eventually(t, 15*time.Second, func() error {
+			_, err := tb.DialTCP(client, addr, 500*time.Millisecond)
+			return err
+		})
+		t.Logf("deleted %s: the service answers again %v later", round.name, since(start))
+	}
+}
+
+// ruleArgs splits an iptables-save rule into arguments, keeping "quoted words" whole.
+func ruleArgs(rule string) []string {
+	var args []string
+	for i, part := range strings.Split(rule, `"`) {
+		if i%2 == 1 {
+			args = append(args, part)
+		} else {
+			args = append(args, strings.Fields(part)...)
+		}
+	}
+	return args
+}

@@ -19,7 +19,8 @@ type Config struct {
 	SyncPeriod    time.Duration
 	Burst         int
 	// FullSyncPeriod is how often a periodic sync rewrites every chain even though
-	// nothing changed (kube-proxy: one hour).
+	// nothing changed (kube-proxy: one hour); the other periodic syncs, every
+	// SyncPeriod, rewrite only the top-level chains.
 	FullSyncPeriod time.Duration
 }
 
@@ -74,6 +75,7 @@ type familyState struct {
 	pending   map[bus.ServiceKey]pendingChange
 	dirty     bool   // something changed that is not yet in a snapshot
 	full      bool   // the next snapshot must be a full sync
+	refresh   bool   // the next snapshot is a periodic one
 	inflight  uint64 // generation sent and not yet answered; 0: none
 	sentSeq   uint64 // change sequence number the in-flight snapshot includes
 	committed *bus.Programmed
@@ -131,6 +133,8 @@ func (s *Stage) Run(ctx context.Context) error {
 			for _, f := range fams {
 				if s.now().Sub(f.lastFull) >= s.cfg.FullSyncPeriod {
 					f.full = true
+				} else {
+					f.refresh = true
 				}
 			}
 		case <-resyncC[0]:
@@ -175,7 +179,7 @@ func resetTimer(t *time.Timer, d time.Duration) {
 
 // due says whether f needs a snapshot now.
 func (f *familyState) due(now time.Time) bool {
-	return f.inflight == 0 && (f.dirty || f.full) && !now.Before(f.retryAt)
+	return f.inflight == 0 && (f.dirty || f.full || f.refresh) && !now.Before(f.retryAt)
 }
 
 // nextRun is when the next snapshot may go out, if any is wanted.
@@ -186,7 +190,7 @@ func (s *Stage) nextRun(synced bool, fams []*familyState, now time.Time) (time.T
 	var best time.Time
 	found := false
 	for _, f := range fams {
-		if f.inflight != 0 || !(f.dirty || f.full) {
+		if f.inflight != 0 || !(f.dirty || f.full || f.refresh) {
 			continue
 		}
 		at := f.limiter.next(now)
@@ -337,12 +341,12 @@ func (s *Stage) send(f *familyState, st *bus.State, gen, seq uint64, now time.Ti
 		Generation: gen,
 		State: bus.State{Services: maps.Clone(st.Services), Slices: maps.Clone(st.Slices), Node: st.Node,
 			LocalAddrs: st.LocalAddrs},
-		Changed: changed, Full: f.full, QueuedAt: queued, Committed: f.committed,
+		Changed: changed, Full: f.full, Refresh: f.refresh, QueuedAt: queued, Committed: f.committed,
 	}
 	if f.full {
 		snap.Committed = nil
 	}
-	f.inflight, f.sentSeq, f.dirty, f.full = gen, seq, false, false
+	f.inflight, f.sentSeq, f.dirty, f.full, f.refresh = gen, seq, false, false, false
 	f.Out.Put(snap)
 }
 

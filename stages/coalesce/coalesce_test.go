@@ -573,14 +573,26 @@ func TestFamiliesAreIndependent(t *testing.T) {
 }
 
 func TestPeriodicFullSync(t *testing.T) {
-	h := start(t, coalesce.Config{SyncPeriod: 50 * time.Millisecond, FullSyncPeriod: 100 * time.Millisecond})
+	h := start(t, coalesce.Config{SyncPeriod: 50 * time.Millisecond, FullSyncPeriod: 300 * time.Millisecond})
 	h.send(replayOf())
 	s1 := h.take(bus.IPv4)
 	h.answer(bus.IPv4, s1, true, programmed("one"))
-	// Nothing changes, yet a full sync comes after FullSyncPeriod.
-	s2 := h.take(bus.IPv4)
-	if !s2.Full {
-		t.Error("periodic sync after FullSyncPeriod is not Full")
+	// Nothing changes, yet every sync period brings a periodic (refresh) snapshot,
+	// and after FullSyncPeriod a full one.
+	refreshes := 0
+	for {
+		s := h.take(bus.IPv4)
+		h.answer(bus.IPv4, s, true, programmed("one"))
+		if s.Full {
+			break
+		}
+		if !s.Refresh {
+			t.Fatalf("snapshot %d with nothing changed is neither periodic nor full", s.Generation)
+		}
+		refreshes++
+	}
+	if refreshes == 0 {
+		t.Error("no periodic snapshot before the full one")
 	}
 }
 

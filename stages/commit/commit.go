@@ -101,7 +101,8 @@ func (s *Stage) Run(ctx context.Context) error {
 const maxChainsPerRestore = 4000
 
 // apply writes the plan. A full plan also deletes per-service chains that exist in
-// the kernel but not in the plan, and re-ensures the jumps from the built-in chains.
+// the kernel but not in the plan; a full or periodic one re-ensures the jumps from
+// the built-in chains.
 // A large plan is written in batches: per-service chains first, in an order where a
 // chain only jumps to chains already written, and the top-level chains, which make
 // the new chains reachable, last. Each batch replaces whole chains atomically.
@@ -138,7 +139,7 @@ func (s *Stage) apply(ctx context.Context, rules *nf.Rules, plan *bus.Plan) erro
 			return fmt.Errorf("commit generation %d (restore %d of %d): %w", plan.Generation, i+1, len(batches), err)
 		}
 	}
-	if plan.Full {
+	if plan.Full || plan.Refresh {
 		for _, j := range nf.Jumps(s.localnetFirewall && s.family == bus.IPv4) {
 			if err := rules.EnsureJump(j); err != nil {
 				return err

@@ -163,6 +163,7 @@ func (r *renderer) plan() *bus.Plan {
 	p := &bus.Plan{
 		Family: r.cfg.Family, Generation: r.snap.Generation, QueuedAt: r.snap.QueuedAt,
 		Full:             r.snap.Full || r.snap.Committed == nil,
+		Refresh:          r.snap.Refresh,
 		Programmed:       &bus.Programmed{Chains: map[string]uint64{}, UDP: r.udp},
 		HealthChecks:     bus.HealthChecks{Family: r.cfg.Family, Services: r.checks},
 		NoLocalEndpoints: r.noLocal,
@@ -181,7 +182,7 @@ func (r *renderer) plan() *bus.Plan {
 			sum := c.sum()
 			p.Programmed.Chains[key] = sum
 			tp.RuleCount += c.count
-			if !p.Full {
+			if !p.Full && !(p.Refresh && !nf.IsOwned(chain)) {
 				if old, ok := committed[key]; ok && old == sum {
 					continue
 				}

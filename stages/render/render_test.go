@@ -261,3 +261,23 @@ func TestUDPFrontEnds(t *testing.T) {
 		t.Errorf("UDP front-ends = %v, want 3", p.Programmed.UDP)
 	}
 }
+
+// TestRefreshRewritesTopLevelChains: a periodic sync rewrites kpipe's top-level
+// chains (so a rule deleted by hand comes back) but no unchanged service chain.
+func TestRefreshRewritesTopLevelChains(t *testing.T) {
+	a := svc("ns", "a", "10.96.0.1", port("http", bus.TCP, 80))
+	aEPs := slice(a, "a-1", []bus.EndpointPort{eport("http", bus.TCP, 8080)}, ep("10.244.2.5", "node-b"))
+	first := Render(baseConfig(), full(state(node(), a, aEPs)))
+	p := Render(baseConfig(), &bus.Snapshot{State: state(node(), a, aEPs), Committed: first.Programmed, Refresh: true})
+	if p.Full || !p.Refresh {
+		t.Fatalf("plan full=%v refresh=%v", p.Full, p.Refresh)
+	}
+	for _, c := range append(declared(p, "nat"), declared(p, "filter")...) {
+		if nf.IsOwned(c) {
+			t.Errorf("unchanged service chain %s rewritten by a periodic sync", c)
+		}
+	}
+	if !slices.Contains(declared(p, "nat"), nf.ChainServices) || !slices.Contains(declared(p, "filter"), nf.ChainForward) {
+		t.Errorf("top-level chains not rewritten: nat %v, filter %v", declared(p, "nat"), declared(p, "filter"))
+	}
+}
