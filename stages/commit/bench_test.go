@@ -18,7 +18,8 @@ import (
 // BenchmarkCommit measures what a sync costs in the kernel on this host, as the
 // commit stage writes it (iptables-restore --noflush, batched), inside a throwaway
 // network namespace: a full sync into empty tables (start-up), a full sync over
-// itself (resync), and a partial sync after one service's endpoints changed.
+// itself (resync), a partial sync after one service's endpoints changed, and the
+// periodic sync (top-level chains rewritten, jumps re-ensured).
 func BenchmarkCommit(b *testing.B) {
 	if os.Geteuid() != 0 {
 		b.Skip("needs root for a network namespace")
@@ -28,6 +29,7 @@ func BenchmarkCommit(b *testing.B) {
 		st := render.SyntheticState(n, 10)
 		fullPlan := render.Render(cfg, &bus.Snapshot{State: st, Full: true})
 		partial := render.Render(cfg, &bus.Snapshot{State: withOneChange(st), Committed: fullPlan.Programmed})
+		periodic := render.Render(cfg, &bus.Snapshot{State: st, Committed: fullPlan.Programmed, Refresh: true})
 		b.Run(fmt.Sprintf("services=%d/full-into-empty", n), func(b *testing.B) {
 			for b.Loop() {
 				b.StopTimer()
@@ -49,6 +51,11 @@ func BenchmarkCommit(b *testing.B) {
 		b.Run(fmt.Sprintf("services=%d/partial-one-service", n), func(b *testing.B) {
 			for b.Loop() {
 				ns.Run(b, func() error { return apply(partial) })
+			}
+		})
+		b.Run(fmt.Sprintf("services=%d/periodic", n), func(b *testing.B) {
+			for b.Loop() {
+				ns.Run(b, func() error { return apply(periodic) })
 			}
 		})
 	}
