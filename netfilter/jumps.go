@@ -2,6 +2,7 @@ package netfilter
 
 import (
 	"fmt"
+	"strings"
 
 	"github.com/coreos/go-iptables/iptables"
 
@@ -80,21 +81,56 @@ func (r *Rules) ChainExists(table, chain string) (bool, error) {
 	return r.ipt.ChainExists(table, chain)
 }
 
-// EnsureJump makes sure j's target chain exists and j is in its built-in chain,
-// inserting it first if it is missing (as kube-proxy does).
-func (r *Rules) EnsureJump(j Jump) error {
-	if err := r.EnsureChain(j.Table, j.To); err != nil {
-		return err
-	}
-	spec := append([]string{}, j.Match...)
-	if j.Comment != "" {
-		spec = append(spec, "-m", "comment", "--comment", j.Comment)
-	}
-	spec = append(spec, "-j", j.To)
-	if err := r.ipt.InsertUnique(j.Table, j.From, 1, spec...); err != nil {
-		return fmt.Errorf("ensure jump %s/%s -> %s: %w", j.Table, j.From, j.To, err)
+// EnsureJumps makes sure every jump is in its built-in chain, inserting a missing
+// one first (as kube-proxy does). It reads each built-in chain once with -S,
+// which is cheap, and only creates chains and inserts rules for what is missing:
+// a check with -C loads the whole table, which takes ~0.2 s at 10k services.
+func (r *Rules) EnsureJumps(js []Jump) error {
+	listed := map[string][]string{}
+	for _, j := range js {
+		key := j.Table + "/" + j.From
+		rules, ok := listed[key]
+		if !ok {
+			var err error
+			if rules, err = r.ipt.List(j.Table, j.From); err != nil {
+				return fmt.Errorf("list %s: %w", key, err)
+			}
+			listed[key] = rules
+		}
+		if jumpPresent(rules, j) {
+			continue
+		}
+		if err := r.EnsureChain(j.Table, j.To); err != nil {
+			return err
+		}
+		spec := append([]string{}, j.Match...)
+		if j.Comment != "" {
+			spec = append(spec, "-m", "comment", "--comment", j.Comment)
+		}
+		spec = append(spec, "-j", j.To)
+		if err := r.ipt.InsertUnique(j.Table, j.From, 1, spec...); err != nil {
+			return fmt.Errorf("ensure jump %s -> %s: %w", key, j.To, err)
+		}
 	}
 	return nil
+}
+
+// jumpPresent says whether a listed chain (iptables -S lines) has j: a rule that
+// jumps to j.To and carries j's comment and matches.
+func jumpPresent(rules []string, j Jump) bool {
+	for _, l := range rules {
+		if !strings.HasSuffix(l, " -j "+j.To) {
+			continue
+		}
+		if j.Comment != "" && !strings.Contains(l, `--comment "`+j.Comment+`"`) && !strings.Contains(l, "--comment "+j.Comment+" ") {
+			continue
+		}
+		if len(j.Match) > 0 && !strings.Contains(l, strings.Join(j.Match, " ")) {
+			continue
+		}
+		return true
+	}
+	return false
 }
 
 // canaryRule is the one rule of a canary chain: a flush (-F) removes it even though

@@ -68,3 +68,19 @@ func IsOwned(chain string) bool {
 	}
 	return false
 }
+
+// RuleCount counts the rules of one chain (iptables -S CHAIN, which reads only that
+// chain); -1 when the chain does not exist or cannot be read.
+func (t Tool) RuleCount(ctx context.Context, table, chain string) int {
+	out, err := exec.CommandContext(ctx, t.binary(""), "-w", "5", "-t", table, "-S", chain).Output()
+	if err != nil {
+		return -1
+	}
+	n := 0
+	for _, line := range bytes.Split(out, []byte("\n")) {
+		if bytes.HasPrefix(line, []byte("-A ")) {
+			n++
+		}
+	}
+	return n
+}

@@ -118,9 +118,13 @@ func (s *Stage) apply(ctx context.Context, rules *nf.Rules, plan *bus.Plan) erro
 			}
 			stale = staleChains(existing, tp, plan.Programmed)
 		}
-		services, top := splitChains(tp.Chains)
-		if len(tp.Chains) <= maxChainsPerRestore {
-			services, top = nil, tp.Chains
+		chains := tp.Chains
+		if plan.Refresh && !plan.Full {
+			chains = s.drifted(ctx, tp.Table, chains)
+		}
+		services, top := splitChains(chains)
+		if len(chains) <= maxChainsPerRestore {
+			services, top = nil, chains
 		}
 		for len(services) > 0 {
 			n := min(len(services), maxChainsPerRestore)
@@ -140,13 +144,26 @@ func (s *Stage) apply(ctx context.Context, rules *nf.Rules, plan *bus.Plan) erro
 		}
 	}
 	if plan.Full || plan.Refresh {
-		for _, j := range nf.Jumps(s.localnetFirewall && s.family == bus.IPv4) {
-			if err := rules.EnsureJump(j); err != nil {
-				return err
-			}
+		if err := rules.EnsureJumps(nf.Jumps(s.localnetFirewall && s.family == bus.IPv4)); err != nil {
+			return err
 		}
 	}
 	return nil
+}
+
+// drifted keeps, of a periodic plan's chains, the per-service chains (they changed)
+// and the top-level chains whose rule count in the kernel is not what kpipe wrote:
+// someone deleted or added a rule by hand. Reading a chain is cheap where
+// rewriting KUBE-SERVICES is not (4 s at 10k services: every rule's jump target
+// is looked up among all chains).
+func (s *Stage) drifted(ctx context.Context, table string, chains []bus.Chain) []bus.Chain {
+	var out []bus.Chain
+	for _, c := range chains {
+		if nf.IsOwned(c.Name) || s.tool.RuleCount(ctx, table, c.Name) != bytes.Count(c.Rules, []byte("\n")) {
+			out = append(out, c)
+		}
+	}
+	return out
 }
 
 // splitChains separates per-service chains, ordered so that each only jumps to
