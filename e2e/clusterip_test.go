@@ -406,8 +406,9 @@ func TestClusterIPSCTPRules(t *testing.T) {
 }
 
 // TestPeriodicSyncRepairsDeletedRules: rules removed by hand that the canary cannot
-// see (the jump from PREROUTING, a service's rule in KUBE-SERVICES) come back within
-// the sync period (5 s here), as kube-proxy's periodic sync brings them back.
+// see (the jump from PREROUTING, the KUBE-SERVICES rule that sends the service's
+// addresses to their bucket) come back within the sync period (5 s here), as
+// kube-proxy's periodic sync brings them back.
 func TestPeriodicSyncRepairsDeletedRules(t *testing.T) {
 	e := setup(t)
 	svc := e.service("echo", testbed.Port("http", corev1.ProtocolTCP, 80, testbed.EchoPort))
@@ -417,21 +418,23 @@ func TestPeriodicSyncRepairsDeletedRules(t *testing.T) {
 	waitAnswer(t, tcp(2*time.Second), client, addr, 20*time.Second)
 
 	nat := e.iptablesSave("nat")
+	ip := net.ParseIP(svc.Spec.ClusterIP).To4()
+	bucket := fmt.Sprintf(`"services in %d.%d.%d.0/24"`, ip[0], ip[1], ip[2])
 	serviceRule := ""
 	for _, l := range strings.Split(nat, "\n") {
-		if strings.HasPrefix(l, "-A KUBE-SERVICES ") && strings.Contains(l, testbed.ServiceComment(e.ns, svc.Name, "http")+" cluster IP") {
+		if strings.HasPrefix(l, "-A KUBE-SERVICES ") && strings.Contains(l, bucket) {
 			serviceRule = l
 		}
 	}
 	if serviceRule == "" {
-		t.Fatalf("no KUBE-SERVICES rule for the service:\n%s", filterRules(nat, e.ns+"/"))
+		t.Fatalf("no KUBE-SERVICES rule for the service's bucket %s:\n%s", bucket, nat)
 	}
 	for _, round := range []struct {
 		name string
 		del  []string
 	}{
 		{"the jump from PREROUTING", []string{"iptables", "-t", "nat", "-D", "PREROUTING", "-m", "comment", "--comment", "kubernetes service portals", "-j", "KUBE-SERVICES"}},
-		{"the service's KUBE-SERVICES rule", append([]string{"iptables", "-t", "nat", "-D"}, ruleArgs(strings.TrimPrefix(serviceRule, "-A "))...)},
+		{"the KUBE-SERVICES rule for the service's bucket", append([]string{"iptables", "-t", "nat", "-D"}, ruleArgs(strings.TrimPrefix(serviceRule, "-A "))...)},
 	} {
 		if out, err := tb.Exec(tb.NodeNS, round.del...); err != nil {
 			t.Fatalf("delete %s: %v %s", round.name, err, out)

@@ -6,6 +6,7 @@ package netfilter
 import (
 	"crypto/sha256"
 	"encoding/base32"
+	"net/netip"
 	"strings"
 
 	"github.com/kpipe/kpipe/bus"
@@ -42,12 +43,17 @@ const (
 	PrefixExternal      = "KUBE-EXT-"
 	PrefixFirewall      = "KUBE-FW-"
 	PrefixEndpoint      = "KUBE-SEP-"
+	// PrefixBucket names the chains KUBE-SERVICES dispatches to by destination
+	// (one per IPv4 /24 or IPv6 /120 that holds service addresses), so adding a
+	// service rewrites a few hundred rules instead of all of KUBE-SERVICES, and a
+	// new connection walks two short lists instead of one long one.
+	PrefixBucket = "KUBE-SVCS-"
 	prefixLegacyXLB     = "KUBE-XLB-"
 	serviceChainHashLen = 16
 )
 
 // OwnedPrefixes are the chain prefixes whose unused chains a full sync deletes.
-var OwnedPrefixes = []string{PrefixService, PrefixServiceLocal, PrefixExternal, PrefixFirewall, PrefixEndpoint, prefixLegacyXLB}
+var OwnedPrefixes = []string{PrefixService, PrefixServiceLocal, PrefixExternal, PrefixFirewall, PrefixEndpoint, PrefixBucket, prefixLegacyXLB}
 
 // ServiceChain names the chain of one service port: prefix plus a hash of the
 // port's name and protocol, exactly as kube-proxy names its KUBE-SVC- chains, so a
@@ -61,6 +67,21 @@ func ServiceChain(prefix string, port bus.ServicePortName) string {
 // names them).
 func EndpointName(port bus.ServicePortName, endpoint string) string {
 	return PrefixEndpoint + hash16(port.String()+strings.ToLower(string(port.Protocol))+endpoint)
+}
+
+// BucketChain names the KUBE-SERVICES bucket of a destination prefix.
+func BucketChain(p netip.Prefix) string {
+	return PrefixBucket + hash16(p.String())
+}
+
+// Bucket is the destination prefix whose bucket chain holds the rules for addr.
+func Bucket(addr netip.Addr) netip.Prefix {
+	bits := 24
+	if addr.Is6() && !addr.Is4In6() {
+		bits = 120
+	}
+	p, _ := addr.Prefix(bits)
+	return p
 }
 
 func hash16(s string) string {

@@ -4,6 +4,8 @@ import (
 	"context"
 	"fmt"
 	"log/slog"
+	"maps"
+	"net/netip"
 	"os"
 	"testing"
 
@@ -30,6 +32,7 @@ func BenchmarkCommit(b *testing.B) {
 		fullPlan := render.Render(cfg, &bus.Snapshot{State: st, Full: true})
 		partial := render.Render(cfg, &bus.Snapshot{State: withOneChange(st), Committed: fullPlan.Programmed})
 		periodic := render.Render(cfg, &bus.Snapshot{State: st, Committed: fullPlan.Programmed, Refresh: true})
+		added := render.Render(cfg, &bus.Snapshot{State: withNewService(st), Committed: fullPlan.Programmed})
 		b.Run(fmt.Sprintf("services=%d/full-into-empty", n), func(b *testing.B) {
 			for b.Loop() {
 				b.StopTimer()
@@ -51,6 +54,11 @@ func BenchmarkCommit(b *testing.B) {
 		b.Run(fmt.Sprintf("services=%d/partial-one-service", n), func(b *testing.B) {
 			for b.Loop() {
 				ns.Run(b, func() error { return apply(partial) })
+			}
+		})
+		b.Run(fmt.Sprintf("services=%d/partial-new-service", n), func(b *testing.B) {
+			for b.Loop() {
+				ns.Run(b, func() error { return apply(added) })
 			}
 		})
 		b.Run(fmt.Sprintf("services=%d/periodic", n), func(b *testing.B) {
@@ -102,6 +110,22 @@ func withOneChange(st bus.State) bus.State {
 		out.Slices[k] = v
 	}
 	out.Slices[key] = map[string]*bus.EndpointSlice{"svc7-1": &changed}
+	return out
+}
+
+// withNewService adds one service with 10 endpoints to st.
+func withNewService(st bus.State) bus.State {
+	extra := render.SyntheticState(1, 10)
+	out := st
+	out.Services, out.Slices = maps.Clone(st.Services), maps.Clone(st.Slices)
+	for k, v := range extra.Services {
+		k.Name = "added"
+		v2 := *v
+		v2.ServiceKey = k
+		v2.ClusterIPs = []netip.Addr{netip.MustParseAddr("10.96.1.250")}
+		out.Services[k] = &v2
+		out.Slices[k] = extra.Slices[v.ServiceKey]
+	}
 	return out
 }
 

@@ -169,7 +169,8 @@ func (s *Stage) drifted(ctx context.Context, table string, chains []bus.Chain) [
 // splitChains separates per-service chains, ordered so that each only jumps to
 // chains before it (KUBE-MARK-MASQ, which they jump to and which a fresh node does
 // not have yet, then endpoint chains, then service and local-policy chains, then
-// external, then firewall), from the top-level chains.
+// external, then firewall, then the KUBE-SERVICES buckets), from the top-level
+// chains.
 func splitChains(chains []bus.Chain) (services, top []bus.Chain) {
 	rank := func(name string) int {
 		switch {
@@ -183,6 +184,8 @@ func splitChains(chains []bus.Chain) (services, top []bus.Chain) {
 			return 3
 		case strings.HasPrefix(name, nf.PrefixFirewall):
 			return 4
+		case strings.HasPrefix(name, nf.PrefixBucket):
+			return 5
 		}
 		return -1
 	}

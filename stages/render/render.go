@@ -105,6 +105,7 @@ func (rr *Renderer) Render(snap *bus.Snapshot) *bus.Plan {
 			delete(rr.cache, key)
 		}
 	}
+	r.writeBuckets()
 	r.writeNodePortsTail()
 	return r.plan()
 }
@@ -141,6 +142,9 @@ func (r *renderer) merge(one *renderer) {
 	}
 	for k, v := range one.noLocal {
 		r.noLocal[k] += v
+	}
+	for p := range one.buckets {
+		r.buckets[p] = true
 	}
 }
 

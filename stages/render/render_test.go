@@ -153,8 +153,11 @@ func TestPartialSync(t *testing.T) {
 	if !slices.Equal(nat.Delete, wantDeleted) {
 		t.Errorf("deleted chains = %v, want %v", nat.Delete, wantDeleted)
 	}
-	if !slices.Contains(declared(third, "nat"), nf.ChainServices) {
-		t.Errorf("KUBE-SERVICES not rewritten after a delete: %v", declared(third, "nat"))
+	// The service's rule lives in the bucket of its address; KUBE-SERVICES itself
+	// only changes when a bucket comes or goes.
+	bucket := nf.BucketChain(nf.Bucket(b.ClusterIPs[0]))
+	if got := declared(third, "nat"); !slices.Equal(got, []string{bucket}) {
+		t.Errorf("nat chains rewritten after a delete: %v; want only the bucket %s", got, bucket)
 	}
 	if strings.Contains(payload(third), "ns/b:http cluster IP") {
 		t.Errorf("deleted service still has rules:\n%s", payload(third))
@@ -279,5 +282,28 @@ func TestRefreshRewritesTopLevelChains(t *testing.T) {
 	}
 	if !slices.Contains(declared(p, "nat"), nf.ChainServices) || !slices.Contains(declared(p, "filter"), nf.ChainForward) {
 		t.Errorf("top-level chains not rewritten: nat %v, filter %v", declared(p, "nat"), declared(p, "filter"))
+	}
+}
+
+// TestBuckets: KUBE-SERVICES sends each /24 of service addresses to its own
+// bucket chain; a service in a new /24 adds a bucket (and a KUBE-SERVICES rule),
+// and the bucket goes when its last service does.
+func TestBuckets(t *testing.T) {
+	a := svc("ns", "a", "10.96.1.1", port("http", bus.TCP, 80))
+	b := svc("ns", "b", "10.96.2.1", port("http", bus.TCP, 80))
+	aEPs := slice(a, "a-1", []bus.EndpointPort{eport("http", bus.TCP, 8080)}, ep("10.244.2.5", "node-b"))
+	bEPs := slice(b, "b-1", []bus.EndpointPort{eport("http", bus.TCP, 8080)}, ep("10.244.2.6", "node-b"))
+	first := Render(baseConfig(), full(state(node(), a, aEPs)))
+	second := Render(baseConfig(), &bus.Snapshot{State: state(node(), a, b, aEPs, bEPs), Committed: first.Programmed})
+	bBucket := nf.BucketChain(nf.Bucket(b.ClusterIPs[0]))
+	if got := declared(second, "nat"); !slices.Contains(got, bBucket) || !slices.Contains(got, nf.ChainServices) {
+		t.Errorf("a service in a new /24 rewrote %v; want its bucket %s and KUBE-SERVICES", got, bBucket)
+	}
+	if !strings.Contains(payload(second), "-A KUBE-SERVICES -m comment --comment \"services in 10.96.2.0/24\" -d 10.96.2.0/24 -j "+bBucket) {
+		t.Errorf("no dispatch to the new bucket:\n%s", payload(second))
+	}
+	third := Render(baseConfig(), &bus.Snapshot{State: state(node(), a, aEPs), Committed: second.Programmed})
+	if !slices.Contains(tableOf(third, "nat").Delete, bBucket) {
+		t.Errorf("empty bucket %s not deleted: %v", bBucket, tableOf(third, "nat").Delete)
 	}
 }

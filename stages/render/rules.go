@@ -25,6 +25,7 @@ type renderer struct {
 	udp        map[netip.AddrPort][]netip.AddrPort
 	checks     map[bus.ServiceKey]bus.HealthCheck
 	noLocal    map[string]int
+	buckets    map[netip.Prefix]bool
 }
 
 func newRenderer(cfg Config, snap *bus.Snapshot) *renderer {
@@ -33,6 +34,7 @@ func newRenderer(cfg Config, snap *bus.Snapshot) *renderer {
 		nat: newTable(nf.TableNAT), filter: newTable(nf.TableFilter),
 		udp: map[netip.AddrPort][]netip.AddrPort{}, checks: map[bus.ServiceKey]bus.HealthCheck{},
 		noLocal: map[string]int{"internal": 0, "external": 0},
+		buckets: map[netip.Prefix]bool{},
 	}
 	m := fmt.Sprintf("0x%x", uint32(1)<<uint(cfg.MasqueradeBit))
 	r.mark = m + "/" + m
@@ -207,7 +209,7 @@ func (r *renderer) writeRules(sp *servicePort) {
 			// may leave the node again, so it is masqueraded.
 			r.nat.rule(internalChain, args, r.isNotLocal, []string{"-j", nf.ChainMarkMasq})
 		}
-		r.nat.rule(nf.ChainServices, args, []string{"-j", internalChain})
+		r.nat.rule(r.bucket(sp.clusterIP), args, []string{"-j", internalChain})
 	} else {
 		r.filter.rule(nf.ChainServices, comment(intComment), cip, []string{"-j", intTarget})
 	}
@@ -224,7 +226,7 @@ func (r *renderer) writeRules(sp *servicePort) {
 	for _, ip := range sp.externals {
 		dst := join(sp.proto, []string{"-d", hostCIDR(ip)}, dport)
 		if hasEndpoints {
-			r.nat.rule(nf.ChainServices, comment(sp.label+" external IP"), dst, []string{"-j", sp.extChain})
+			r.nat.rule(r.bucket(ip), comment(sp.label+" external IP"), dst, []string{"-j", sp.extChain})
 		}
 		if !hasExternal {
 			r.filter.rule(nf.ChainExternalServices, comment(extComment), dst, []string{"-j", extTarget})
@@ -235,7 +237,7 @@ func (r *renderer) writeRules(sp *servicePort) {
 	for _, ip := range sp.lbIPs {
 		dst := join(sp.proto, []string{"-d", hostCIDR(ip)}, dport)
 		if hasEndpoints {
-			r.nat.rule(nf.ChainServices, comment(sp.label+" loadbalancer IP"), dst, []string{"-j", lbChain})
+			r.nat.rule(r.bucket(ip), comment(sp.label+" loadbalancer IP"), dst, []string{"-j", lbChain})
 		}
 		if usesFW {
 			r.filter.rule(nf.ChainProxyFirewall, comment(sp.label+" traffic not accepted by "+sp.fwChain), dst, []string{"-j", "DROP"})
@@ -431,6 +433,28 @@ func addrPorts(eps []endpoint) []netip.AddrPort {
 		out = append(out, e.addr)
 	}
 	return out
+}
+
+// bucket is the chain that holds the KUBE-SERVICES rules for destination addr; it
+// records the bucket so writeBuckets can send traffic to it.
+func (r *renderer) bucket(addr netip.Addr) string {
+	p := nf.Bucket(addr)
+	r.buckets[p] = true
+	return nf.BucketChain(p)
+}
+
+// writeBuckets sends traffic from KUBE-SERVICES to the bucket of its destination:
+// buckets hold disjoint addresses, so each packet enters at most one, and one
+// that matches nothing there comes back and goes on to the NodePort rule.
+func (r *renderer) writeBuckets() {
+	prefixes := make([]netip.Prefix, 0, len(r.buckets))
+	for p := range r.buckets {
+		prefixes = append(prefixes, p)
+	}
+	slices.SortFunc(prefixes, func(a, b netip.Prefix) int { return a.Addr().Compare(b.Addr()) })
+	for _, p := range prefixes {
+		r.nat.rule(nf.ChainServices, comment("services in "+p.String()), []string{"-d", p.String(), "-j", nf.BucketChain(p)})
+	}
 }
 
 // writeNodePortsTail sends traffic for local addresses to KUBE-NODEPORTS; it must be

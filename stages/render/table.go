@@ -65,12 +65,12 @@ func (c *chainText) sum() uint64 {
 	return c.hash
 }
 
-// merge appends another table's chains: shared top-level chains get the other
-// table's rules appended, per-service chains are taken over whole.
+// merge appends another table's chains: shared chains (top-level ones, buckets)
+// get the other table's rules appended, per-service chains are taken over whole.
 func (t *table) merge(o *table) {
 	for _, name := range o.order {
 		oc := o.chains[name]
-		if nf.IsOwned(name) {
+		if nf.IsOwned(name) && !strings.HasPrefix(name, nf.PrefixBucket) {
 			if _, dup := t.chains[name]; !dup {
 				t.order = append(t.order, name)
 			}
