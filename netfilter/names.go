@@ -38,16 +38,16 @@ const (
 // endpoints on this node (remote endpoints are inline DNAT rules); the ones
 // kube-proxy left for remote endpoints are deleted by the first full sync.
 const (
-	PrefixService       = "KUBE-SVC-"
-	PrefixServiceLocal  = "KUBE-SVL-"
-	PrefixExternal      = "KUBE-EXT-"
-	PrefixFirewall      = "KUBE-FW-"
-	PrefixEndpoint      = "KUBE-SEP-"
+	PrefixService      = "KUBE-SVC-"
+	PrefixServiceLocal = "KUBE-SVL-"
+	PrefixExternal     = "KUBE-EXT-"
+	PrefixFirewall     = "KUBE-FW-"
+	PrefixEndpoint     = "KUBE-SEP-"
 	// PrefixBucket names the chains KUBE-SERVICES dispatches to by destination
 	// (one per IPv4 /24 or IPv6 /120 that holds service addresses), so adding a
 	// service rewrites a few hundred rules instead of all of KUBE-SERVICES, and a
 	// new connection walks two short lists instead of one long one.
-	PrefixBucket = "KUBE-SVCS-"
+	PrefixBucket        = "KUBE-SVCS-"
 	prefixLegacyXLB     = "KUBE-XLB-"
 	serviceChainHashLen = 16
 )
