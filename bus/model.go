@@ -90,12 +90,6 @@ func (s *Service) PortName(p Port) ServicePortName {
 	return ServicePortName{ServiceKey: s.ServiceKey, Port: p.Name, Protocol: p.Protocol}
 }
 
-// ExternallyReachable says whether traffic from outside the cluster can reach the
-// Service on this node (the cases externalTrafficPolicy applies to).
-func (s *Service) ExternallyReachable(p Port) bool {
-	return p.NodePort != 0 || len(s.ExternalIPs) > 0 || len(s.LoadBalancerIPs) > 0
-}
-
 // EndpointSlice is a validated discovery/v1 EndpointSlice: addresses of the wrong
 // type or that do not parse were dropped (and counted) by watch.
 type EndpointSlice struct {

@@ -76,11 +76,6 @@ func (r *Rules) EnsureChain(table, chain string) error {
 	return nil
 }
 
-// ChainExists says whether chain is in table.
-func (r *Rules) ChainExists(table, chain string) (bool, error) {
-	return r.ipt.ChainExists(table, chain)
-}
-
 // EnsureJumps makes sure every jump is in its built-in chain, inserting a missing
 // one first (as kube-proxy does). It reads each built-in chain once with -S,
 // which is cheap, and only creates chains and inserts rules for what is missing:

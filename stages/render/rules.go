@@ -99,8 +99,8 @@ func (r *renderer) writeFixedChains() {
 	r.filter.rule(nf.ChainForward, comment("kubernetes forwarding rules"), []string{"-m", "mark", "--mark", r.mark, "-j", "ACCEPT"})
 	r.filter.rule(nf.ChainForward, comment("kubernetes forwarding conntrack rule"), []string{"-m", "conntrack", "--ctstate", "RELATED,ESTABLISHED", "-j", "ACCEPT"})
 	if r.cfg.LocalhostNodePortsActive() {
-		r.filter.add(nf.ChainLocalnetFirewall, join(comment("block incoming localnet connections"),
-			[]string{"-d", "127.0.0.0/8", "!", "-s", "127.0.0.0/8", "-m", "conntrack", "!", "--ctstate", "RELATED,ESTABLISHED,DNAT", "-j", "DROP"})...)
+		r.filter.rule(nf.ChainLocalnetFirewall, comment("block incoming localnet connections"),
+			[]string{"-d", "127.0.0.0/8", "!", "-s", "127.0.0.0/8", "-m", "conntrack", "!", "--ctstate", "RELATED,ESTABLISHED,DNAT", "-j", "DROP"})
 	}
 }
 
