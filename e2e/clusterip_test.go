@@ -292,12 +292,7 @@ func TestUDPConntrackClearedOnEndpointRemoval(t *testing.T) {
 }
 
 func TestCanaryRepairsFlushedNAT(t *testing.T) {
-	e := setup(t)
-	svc := e.service("echo", testbed.Port("http", corev1.ProtocolTCP, 80, testbed.EchoPort))
-	e.endpoints(svc, 1, 2)
-	addr := testbed.ClusterAddr(svc, 80)
-	client := tb.Pod(clientPod).NS
-	waitAnswer(t, tcp(2*time.Second), client, addr, 20*time.Second)
+	e, svc, addr, client := answeringEcho(t)
 
 	for _, round := range []struct {
 		name string
@@ -410,12 +405,7 @@ func TestClusterIPSCTPRules(t *testing.T) {
 // addresses to their bucket) come back within the sync period (5 s here), as
 // kube-proxy's periodic sync brings them back.
 func TestPeriodicSyncRepairsDeletedRules(t *testing.T) {
-	e := setup(t)
-	svc := e.service("echo", testbed.Port("http", corev1.ProtocolTCP, 80, testbed.EchoPort))
-	e.endpoints(svc, 1, 2)
-	addr := testbed.ClusterAddr(svc, 80)
-	client := tb.Pod(clientPod).NS
-	waitAnswer(t, tcp(2*time.Second), client, addr, 20*time.Second)
+	e, svc, addr, client := answeringEcho(t)
 
 	nat := e.iptablesSave("nat")
 	ip := net.ParseIP(svc.Spec.ClusterIP).To4()

@@ -308,3 +308,17 @@ func (l *loop) finish() (int, []string, map[string]int) {
 }
 
 func since(start time.Time) time.Duration { return time.Since(start).Round(time.Millisecond) }
+
+// answeringEcho sets up the common case: a TCP echo service on port 80 with
+// endpoints on pods 1 and 2, already answering from the client pod. It returns
+// the test's env, the service, its ClusterIP:80 and the client's namespace.
+func answeringEcho(t *testing.T) (*env, *corev1.Service, string, string) {
+	t.Helper()
+	e := setup(t)
+	svc := e.service("echo", testbed.Port("http", corev1.ProtocolTCP, 80, testbed.EchoPort))
+	e.endpoints(svc, 1, 2)
+	addr := testbed.ClusterAddr(svc, 80)
+	client := tb.Pod(clientPod).NS
+	waitAnswer(t, tcp(2*time.Second), client, addr, 20*time.Second)
+	return e, svc, addr, client
+}

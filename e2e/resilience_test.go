@@ -107,12 +107,7 @@ func TestKillEachStageLosesNoConnection(t *testing.T) {
 }
 
 func TestProcessRestartKeepsTraffic(t *testing.T) {
-	e := setup(t)
-	svc := e.service("echo", testbed.Port("http", corev1.ProtocolTCP, 80, testbed.EchoPort))
-	e.endpoints(svc, 1, 2)
-	addr := testbed.ClusterAddr(svc, 80)
-	client := tb.Pod(clientPod).NS
-	waitAnswer(t, tcp(2*time.Second), client, addr, 20*time.Second)
+	e, svc, addr, client := answeringEcho(t)
 
 	l := startLoop(tcp(2*time.Second), client, addr, 10*time.Millisecond)
 	defer func() {

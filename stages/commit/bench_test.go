@@ -1,18 +1,13 @@
 package commit
 
 import (
-	"context"
 	"fmt"
-	"log/slog"
 	"maps"
 	"net/netip"
 	"os"
 	"testing"
 
-	"github.com/prometheus/client_golang/prometheus"
-
 	"github.com/kpipe/kpipe/bus"
-	nf "github.com/kpipe/kpipe/netfilter"
 	"github.com/kpipe/kpipe/netfilter/netnstest"
 	"github.com/kpipe/kpipe/stages/render"
 )
@@ -127,14 +122,4 @@ func withNewService(st bus.State) bus.State {
 		out.Slices[k] = extra.Slices[v.ServiceKey]
 	}
 	return out
-}
-
-func apply(plan *bus.Plan) error {
-	rules, err := nf.NewRules(bus.IPv4)
-	if err != nil {
-		return err
-	}
-	s := NewStage(bus.IPv4, false, bus.NewMailbox[*bus.Plan](), Outputs{}, bus.NewBoard(),
-		bus.NewMetrics(prometheus.NewRegistry()), slog.New(slog.DiscardHandler))
-	return s.apply(context.Background(), rules, plan)
 }

@@ -264,16 +264,10 @@ func TestApplyBatchedFullSyncIntoEmptyTables(t *testing.T) {
 		t.Fatalf("plan has %d chains; the test needs more than %d", got, maxChainsPerRestore)
 	}
 	netnstest.New(t).Run(t, func() error {
-		rules, err := nf.NewRules(bus.IPv4)
-		if err != nil {
-			return err
-		}
-		s := NewStage(bus.IPv4, false, bus.NewMailbox[*bus.Plan](), Outputs{}, bus.NewBoard(),
-			bus.NewMetrics(prometheus.NewRegistry()), slog.New(slog.DiscardHandler))
-		if err := s.apply(context.Background(), rules, plan); err != nil {
+		if err := apply(plan); err != nil {
 			return fmt.Errorf("full sync into empty tables: %w", err)
 		}
-		chains, err := s.tool.Chains(context.Background(), nf.TableNAT)
+		chains, err := nf.Tool{Family: bus.IPv4}.Chains(context.Background(), nf.TableNAT)
 		if err != nil {
 			return err
 		}
@@ -307,13 +301,7 @@ func TestPeriodicRepairsDrift(t *testing.T) {
 	fullPlan := render.Render(cfg, &bus.Snapshot{State: st, Full: true})
 	periodic := render.Render(cfg, &bus.Snapshot{State: st, Committed: fullPlan.Programmed, Refresh: true})
 	netnstest.New(t).Run(t, func() error {
-		rules, err := nf.NewRules(bus.IPv4)
-		if err != nil {
-			return err
-		}
-		s := NewStage(bus.IPv4, false, bus.NewMailbox[*bus.Plan](), Outputs{}, bus.NewBoard(),
-			bus.NewMetrics(prometheus.NewRegistry()), slog.New(slog.DiscardHandler))
-		if err := s.apply(context.Background(), rules, fullPlan); err != nil {
+		if err := apply(fullPlan); err != nil {
 			return err
 		}
 		tool := nf.Tool{Family: bus.IPv4}
@@ -326,7 +314,7 @@ func TestPeriodicRepairsDrift(t *testing.T) {
 				return fmt.Errorf("iptables %v: %v %s", args, err, out)
 			}
 		}
-		if err := s.apply(context.Background(), rules, periodic); err != nil {
+		if err := apply(periodic); err != nil {
 			return err
 		}
 		if after := tool.RuleCount(context.Background(), nf.TableNAT, nf.ChainServices); after != before {
@@ -338,4 +326,16 @@ func TestPeriodicRepairsDrift(t *testing.T) {
 		}
 		return nil
 	})
+}
+
+// apply writes plan the way the commit stage does, in the current network
+// namespace.
+func apply(plan *bus.Plan) error {
+	rules, err := nf.NewRules(bus.IPv4)
+	if err != nil {
+		return err
+	}
+	s := NewStage(bus.IPv4, false, bus.NewMailbox[*bus.Plan](), Outputs{}, bus.NewBoard(),
+		bus.NewMetrics(prometheus.NewRegistry()), slog.New(slog.DiscardHandler))
+	return s.apply(context.Background(), rules, plan)
 }
