@@ -1,5 +1,7 @@
 package bus
 
+import "net/netip"
+
 // HealthChecks is what the health stage serves on healthCheckNodePorts: for every
 // service with externalTrafficPolicy: Local and a healthCheckNodePort, how many of
 // its endpoints are ready on this node. Render computes it; commit forwards it once
@@ -7,6 +9,9 @@ package bus
 type HealthChecks struct {
 	Family   Family
 	Services map[ServiceKey]HealthCheck
+	// Addrs are the addresses healthCheckNodePort servers listen on, as
+	// --nodeport-addresses selects them; nil: every address.
+	Addrs []netip.Addr
 }
 
 // HealthCheck is one service's health-check port and local endpoint count.

@@ -10,7 +10,6 @@ import (
 	"maps"
 	"net/netip"
 	"slices"
-	"strings"
 	"time"
 
 	"github.com/kpipe/kpipe/bus"
@@ -172,23 +171,7 @@ func (s *Stage) drifted(ctx context.Context, table string, chains []bus.Chain) [
 // external, then firewall, then the KUBE-SERVICES buckets), from the top-level
 // chains.
 func splitChains(chains []bus.Chain) (services, top []bus.Chain) {
-	rank := func(name string) int {
-		switch {
-		case name == nf.ChainMarkMasq:
-			return 0
-		case strings.HasPrefix(name, nf.PrefixEndpoint):
-			return 1
-		case strings.HasPrefix(name, nf.PrefixService), strings.HasPrefix(name, nf.PrefixServiceLocal):
-			return 2
-		case strings.HasPrefix(name, nf.PrefixExternal):
-			return 3
-		case strings.HasPrefix(name, nf.PrefixFirewall):
-			return 4
-		case strings.HasPrefix(name, nf.PrefixBucket):
-			return 5
-		}
-		return -1
-	}
+	rank := nf.WriteRank
 	for _, c := range chains {
 		if rank(c.Name) < 0 {
 			top = append(top, c)

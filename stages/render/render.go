@@ -40,6 +40,9 @@ type Config struct {
 	NodePortPrimary    bool
 	LocalhostNodePorts bool // IPv4 only: NodePorts answer on 127.0.0.1 (route_localnet)
 	ConntrackLiberal   bool // nf_conntrack_tcp_be_liberal is set: do not drop INVALID
+	// NoRandomFully: the host's iptables cannot do MASQUERADE --random-fully
+	// (older than 1.6.2), so it is left out, as kube-proxy leaves it out.
+	NoRandomFully bool
 }
 
 // LocalhostNodePortsActive says whether NodePorts on 127.0.0.1 are programmed.

@@ -90,7 +90,11 @@ func (r *renderer) writeFixedChains() {
 	}
 	r.nat.add(nf.ChainPostrouting, "-m", "mark", "!", "--mark", r.mark, "-j", "RETURN")
 	r.nat.add(nf.ChainPostrouting, "-j", "MARK", "--xor-mark", strings.Split(r.mark, "/")[0])
-	r.nat.rule(nf.ChainPostrouting, comment("kubernetes service traffic requiring SNAT"), []string{"-j", "MASQUERADE", "--random-fully"})
+	masq := []string{"-j", "MASQUERADE", "--random-fully"}
+	if r.cfg.NoRandomFully {
+		masq = masq[:2]
+	}
+	r.nat.rule(nf.ChainPostrouting, comment("kubernetes service traffic requiring SNAT"), masq)
 	r.nat.add(nf.ChainMarkMasq, "-j", "MARK", "--or-mark", strings.Split(r.mark, "/")[0])
 
 	if !r.cfg.ConntrackLiberal {
