@@ -5,29 +5,31 @@ import (
 	"time"
 )
 
-// Snapshot is coalesce's hand-off to render: the whole desired state plus what
-// changed since the last successful commit. It is never modified after it is sent.
+// Snapshot is coalesce's hand-off to render: the whole desired state. It is never
+// modified after it is sent.
 type Snapshot struct {
 	Generation uint64
 	State      State
 	// Changed lists the services whose desired rules may differ from the last
-	// successful commit. Full means every service must be rewritten (start-up, a
-	// failed commit, a canary that disappeared).
+	// successful commit (for tests and logs; render and commit find what differs
+	// themselves).
 	Changed map[ServiceKey]bool
-	Full    bool
-	// Refresh asks for kube-proxy's periodic sync: the top-level chains are
-	// rewritten and the jumps into them re-ensured even if nothing changed, so a
-	// rule removed by hand comes back within --iptables-sync-period.
+	// Full asks commit to rewrite every chain and delete every per-service chain it
+	// does not want, whatever it believes the kernel holds (start-up, a failed
+	// commit, flushed tables, the hourly full sync).
+	Full bool
+	// Refresh asks for kube-proxy's periodic sync: commit checks the top-level and
+	// bucket chains and the jumps into them against the kernel and rewrites what
+	// differs, so a rule removed or changed by hand comes back within
+	// --iptables-sync-period.
 	Refresh bool
 	// QueuedAt is when the oldest change this snapshot carries was queued.
 	QueuedAt time.Time
-	// Committed is what the last successful commit of this family left in the
-	// kernel (nil before the first), so render can write only what differs.
-	Committed *Programmed
 }
 
-// Plan is render's hand-off to commit: iptables-restore payloads and what the
-// kernel will hold once they are applied.
+// Plan is render's hand-off to commit: every chain of the desired ruleset of one
+// family, with its hash. Commit writes only the chains that differ from what it
+// knows the kernel holds.
 type Plan struct {
 	Family     Family
 	Generation uint64
@@ -36,7 +38,10 @@ type Plan struct {
 	Refresh    bool
 	Started    time.Time // when render began, for the sync duration metrics
 	Tables     []TablePayload
-	Programmed *Programmed
+	// UDP maps each UDP front-end (service IP:port; NodePorts as the unspecified
+	// address with the node port) to the endpoints it load-balances to, so the
+	// conntrack stage can clear flows that point anywhere else.
+	UDP map[netip.AddrPort][]netip.AddrPort
 	// HealthChecks are the healthCheckNodePort answers this plan implies.
 	HealthChecks HealthChecks
 	// NoLocalEndpoints counts services with a Local policy and no local endpoints,
@@ -44,32 +49,21 @@ type Plan struct {
 	NoLocalEndpoints map[string]int
 }
 
-// TablePayload is what render wants written to one table: the chains to rewrite
-// (iptables-restore --noflush empties a declared chain before refilling it, and
-// leaves every other chain alone) and the chains to delete.
+// TablePayload is every chain kpipe wants in one table (commit orders them for
+// writing, see netfilter.WriteRank).
 type TablePayload struct {
-	Table  string  // "nat", "filter"
-	Chains []Chain // chains whose rules are replaced (and created if missing)
-	Delete []string
-	// RuleCount is the number of rules the table holds once applied (not only the
-	// rewritten ones), for kubeproxy_sync_proxy_rules_iptables_total.
+	Table  string // "nat", "filter"
+	Chains []Chain
+	// RuleCount is the number of rules the table holds once applied, for
+	// kubeproxy_sync_proxy_rules_iptables_total.
 	RuleCount int
 }
 
-// Chain is one chain's complete rules, as "-A CHAIN ..." lines.
+// Chain is one chain's complete rules, as "-A CHAIN ...\n" lines, and their hash.
 type Chain struct {
 	Name  string
-	Rules []byte
-}
-
-// Programmed describes what a committed plan left in the kernel.
-type Programmed struct {
-	// Chains maps each kpipe-owned chain, as "table/chain", to a hash of its rules.
-	Chains map[string]uint64
-	// UDP maps each UDP front-end (service IP:port; NodePorts as the unspecified
-	// address with the node port) to the endpoints it load-balances to, so the
-	// conntrack stage can clear flows that point anywhere else.
-	UDP map[netip.AddrPort][]netip.AddrPort
+	Rules string
+	Hash  uint64
 }
 
 // Result is commit's answer for one plan.
@@ -79,6 +73,6 @@ type Result struct {
 	OK         bool
 	Err        error
 	Full       bool
+	Refresh    bool
 	At         time.Time
-	Programmed *Programmed // set when OK
 }

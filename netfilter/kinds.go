@@ -25,3 +25,6 @@ func WriteRank(chain string) int {
 	}
 	return -1
 }
+
+// IsBucket says whether a chain is one of the KUBE-SERVICES dispatch chains.
+func IsBucket(chain string) bool { return strings.HasPrefix(chain, PrefixBucket) }

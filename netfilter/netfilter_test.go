@@ -14,8 +14,8 @@ import (
 
 func TestAssemble(t *testing.T) {
 	chains := []bus.Chain{
-		{Name: "KUBE-SERVICES", Rules: []byte("-A KUBE-SERVICES -d 10.96.0.10/32 -p tcp --dport 80 -j KUBE-SVC-AAAAAAAAAAAAAAAA\n")},
-		{Name: "KUBE-SVC-AAAAAAAAAAAAAAAA", Rules: []byte("-A KUBE-SVC-AAAAAAAAAAAAAAAA -p tcp -j DNAT --to-destination 10.244.1.5:8080\n")},
+		{Name: "KUBE-SERVICES", Rules: "-A KUBE-SERVICES -d 10.96.0.10/32 -p tcp --dport 80 -j KUBE-SVC-AAAAAAAAAAAAAAAA\n"},
+		{Name: "KUBE-SVC-AAAAAAAAAAAAAAAA", Rules: "-A KUBE-SVC-AAAAAAAAAAAAAAAA -p tcp -j DNAT --to-destination 10.244.1.5:8080\n"},
 		{Name: "KUBE-NODEPORTS"}, // declared empty: its old rules go
 	}
 	got := string(Assemble("nat", chains, []string{"KUBE-SVC-BBBBBBBBBBBBBBBB", "KUBE-SEP-CCCCCCCCCCCCCCCC"}))
@@ -41,8 +41,8 @@ func TestAssembleOrder(t *testing.T) {
 	// rule, every rule before any deletion (a deleted chain must be emptied, and no
 	// longer referenced, first), and COMMIT last.
 	chains := []bus.Chain{
-		{Name: "KUBE-FORWARD", Rules: []byte("-A KUBE-FORWARD -j ACCEPT\n")},
-		{Name: "KUBE-PROXY-FIREWALL", Rules: []byte("-A KUBE-PROXY-FIREWALL -d 198.51.100.1/32 -j DROP\n")},
+		{Name: "KUBE-FORWARD", Rules: "-A KUBE-FORWARD -j ACCEPT\n"},
+		{Name: "KUBE-PROXY-FIREWALL", Rules: "-A KUBE-PROXY-FIREWALL -d 198.51.100.1/32 -j DROP\n"},
 	}
 	lines := strings.Split(strings.TrimSuffix(string(Assemble("filter", chains, []string{"KUBE-FW-AAAAAAAAAAAAAAAA"})), "\n"), "\n")
 	if lines[0] != "*filter" || lines[len(lines)-1] != "COMMIT" {

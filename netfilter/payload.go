@@ -24,7 +24,7 @@ func Assemble(table string, chains []bus.Chain, deletes []string) []byte {
 		b.WriteString(":" + c + " - [0:0]\n")
 	}
 	for _, c := range chains {
-		b.Write(c.Rules)
+		b.WriteString(c.Rules)
 	}
 	for _, c := range deletes {
 		b.WriteString("-X " + c + "\n")

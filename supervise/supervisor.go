@@ -49,6 +49,10 @@ type Options struct {
 	// supervisor gives up and fails itself; default 10, negative for none.
 	MaxRestarts int
 	Window      time.Duration // default 1 minute
+	// NeverEscalate restarts failed children for ever (with backoff) instead of
+	// giving up when the budget is spent: for stages whose failures must not stop
+	// the ones that keep the rules in sync.
+	NeverEscalate bool
 	Logger      *slog.Logger  // default slog.Default()
 	// OnRestart, if set, is called once per restart of a leaf of this supervisor
 	// (including leaves restarted along with a sibling or with their whole subtree),
@@ -398,6 +402,9 @@ func (r *runner) handleFailures() error {
 
 // spend takes one restart from the budget, or says there is none left.
 func (r *runner) spend(now time.Time) bool {
+	if r.s.opts.NeverEscalate {
+		return true
+	}
 	cutoff := now.Add(-r.s.opts.Window)
 	for len(r.budget) > 0 && !r.budget[0].After(cutoff) {
 		r.budget = r.budget[1:]

@@ -593,3 +593,35 @@ func TestOptionsDefaults(t *testing.T) {
 		t.Errorf("MaxRestarts -1 -> %d, want 0 (no restarts)", o.MaxRestarts)
 	}
 }
+
+// TestNeverEscalateRestartsForever: a supervisor with NeverEscalate keeps
+// restarting a child that always fails, long past the restart budget, and never
+// fails itself (side stages must not stop the process).
+func TestNeverEscalateRestartsForever(t *testing.T) {
+	var runs atomic.Int32
+	opts := Options{Strategy: OneForOne, MaxRestarts: 2, Window: time.Hour, NeverEscalate: true,
+		Backoff: Backoff{Initial: time.Millisecond, Max: 2 * time.Millisecond, Jitter: -1}, Logger: slog.New(slog.DiscardHandler)}
+	s := Tree("side", opts, Leaf("flaky", func(ctx context.Context) error {
+		runs.Add(1)
+		return errors.New("broken")
+	}))
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- s.Run(ctx) }()
+	deadline := time.Now().Add(5 * time.Second)
+	for runs.Load() < 20 {
+		select {
+		case err := <-done:
+			t.Fatalf("supervisor gave up after %d runs: %v", runs.Load(), err)
+		default:
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("only %d runs in 5s", runs.Load())
+		}
+		time.Sleep(time.Millisecond)
+	}
+	cancel()
+	if err := <-done; err != nil {
+		t.Errorf("Run = %v after cancel; want nil", err)
+	}
+}

@@ -31,9 +31,13 @@ import (
 //
 //	kpipe (one_for_one)
 //	├── pipeline (rest_for_one): watch, coalesce, families (one_for_one)
-//	│                                              └── ipv4, ipv6 (rest_for_one): render, commit, conntrack
-//	├── canary
+//	│                                              └── ipv4, ipv6 (rest_for_one): render, commit
+//	├── side (one_for_one, never gives up): conntrack-ipv4, conntrack-ipv6, canary
 //	└── health
+//
+// The side stages only help the rules (stale UDP flows, flushed tables): their
+// failures restart them alone, show on /healthz and in kpipe_stage_restarts_total,
+// and never restart the rule path or stop the process.
 func serve(ctx context.Context, o *Options) error {
 	log := newLogger(os.Stderr, o.LogFormat, o.LogLevel)
 	client, err := newClient(o.Kubeconfig)
@@ -51,11 +55,14 @@ func serve(ctx context.Context, o *Options) error {
 	replay := bus.NewFlag()
 	checks := bus.NewMergingMailbox(bus.MergeHealthCheckUpdates)
 
-	onRestart := func(stage string, err error) { metrics.StageRestarts.WithLabelValues(stage).Inc() }
+	onRestart := func(stage string, err error) {
+		metrics.StageRestarts.WithLabelValues(stage).Inc()
+		board.Update(stage, func(r *bus.Report) { r.Errors++; r.LastError = err.Error() })
+	}
 	opts := func(s supervise.Strategy) supervise.Options {
 		return supervise.Options{Strategy: s, Logger: log, OnRestart: onRestart}
 	}
-	var familyTrees []supervise.Child
+	var familyTrees, side []supervise.Child
 	var coalesceIO []coalesce.Family
 	resync := map[bus.Family]*bus.Flag{}
 	for _, f := range families {
@@ -67,10 +74,11 @@ func serve(ctx context.Context, o *Options) error {
 		coalesceIO = append(coalesceIO, coalesce.Family{Family: f, Out: snapshots, Results: results, Resync: resync[f], Resend: resend})
 		rs := render.NewStage(o.renderConfig(f, liberal), snapshots, plans, resend, log.With("stage", "render-"+name))
 		cs := commit.NewStage(f, o.localhostNodePorts(), plans, commit.Outputs{Results: results, Resend: resend, Flows: flows, HealthChecks: checks},
-			board, metrics, log.With("stage", "commit-"+name))
+			commit.NewLedger(), nf.Tool{Family: f}, board, metrics, log.With("stage", "commit-"+name))
 		ct := conntrack.NewStage(f, flows, metrics, log.With("stage", "conntrack-"+name))
 		familyTrees = append(familyTrees, supervise.Tree(name, opts(supervise.RestForOne),
-			supervise.Leaf("render-"+name, rs.Run), supervise.Leaf("commit-"+name, cs.Run), supervise.Leaf("conntrack-"+name, ct.Run)))
+			supervise.Leaf("render-"+name, rs.Run), supervise.Leaf("commit-"+name, cs.Run)))
+		side = append(side, supervise.Leaf("conntrack-"+name, ct.Run))
 	}
 	ws := watch.NewStage(client, o.HostnameOverride, changes, replay, board, metrics, log.With("stage", "watch"), len(o.nodePortCIDRs) > 0)
 	co := coalesce.NewStage(coalesce.Config{MinSyncPeriod: o.MinSyncPeriod, SyncPeriod: o.SyncPeriod, Burst: 2},
@@ -87,11 +95,13 @@ func serve(ctx context.Context, o *Options) error {
 		SyncPeriod: o.SyncPeriod, NodeName: o.HostnameOverride, Families: families, Configz: o,
 	}, board, reg, metrics, checks, stagesHandler, log.With("stage", "health"))
 
+	sideOpts := opts(supervise.OneForOne)
+	sideOpts.NeverEscalate = true
 	root = supervise.Tree("kpipe", opts(supervise.OneForOne),
 		supervise.Tree("pipeline", opts(supervise.RestForOne),
 			supervise.Leaf("watch", ws.Run), supervise.Leaf("coalesce", co.Run),
 			supervise.Tree("families", opts(supervise.OneForOne), familyTrees...)),
-		supervise.Leaf("canary", ca.Run),
+		supervise.Tree("side", sideOpts, append(side, supervise.Leaf("canary", ca.Run))...),
 		supervise.Leaf("health", he.Run))
 	log.Info("kpipe starting", "node", o.HostnameOverride, "families", fmt.Sprint(families), "mode", "iptables")
 	if err := root.Run(ctx); err != nil {

@@ -44,6 +44,10 @@ type Stage struct {
 	log      *slog.Logger
 	now      func() time.Time
 	started  time.Time // trigger times before this are from before kpipe watched
+	// gen numbers snapshots and seq changes. Both outlive a restart of Run: the
+	// mailboxes keep values from before it, and a stale Result must never be
+	// taken for the answer to a new snapshot.
+	gen, seq uint64
 }
 
 // NewStage makes the coalesce stage.
@@ -71,18 +75,34 @@ type pendingChange struct {
 // familyState is what coalesce tracks for one family's pipeline.
 type familyState struct {
 	Family
-	name      string
-	pending   map[bus.ServiceKey]pendingChange
-	dirty     bool   // something changed that is not yet in a snapshot
-	full      bool   // the next snapshot must be a full sync
-	refresh   bool   // the next snapshot is a periodic one
-	inflight  uint64 // generation sent and not yet answered; 0: none
-	sentSeq   uint64 // change sequence number the in-flight snapshot includes
-	committed *bus.Programmed
-	failures  int
-	retryAt   time.Time
-	lastFull  time.Time
-	limiter   *limiter
+	name    string
+	pending map[bus.ServiceKey]pendingChange
+	oldest  time.Time // the oldest pending change's time (zero: none)
+	// pendingServices and pendingEndpoints count pending entries with a service
+	// or an endpoint change, for the pending-changes gauges.
+	pendingServices, pendingEndpoints int
+	dirty                             bool // something changed that is not yet in a snapshot
+	// full and refresh are wanted until a commit of a snapshot numbered
+	// fullSince (refreshSince) or later succeeds: a snapshot lost to a restart
+	// of render or commit, or answered by a failure, does not count.
+	full, refresh           bool
+	fullSince, refreshSince uint64
+	inflight                uint64 // generation sent and not yet answered; 0: none
+	sentSeq                 uint64 // change sequence number the in-flight snapshot includes
+	failures                int
+	retryAt                 time.Time
+	lastFull                time.Time
+	limiter                 *limiter
+}
+
+// wantFull asks for a full sync in a snapshot not sent yet.
+func (f *familyState) wantFull(nextGen uint64) { f.full, f.fullSince = true, nextGen }
+
+// wantRefresh asks for a periodic sync in a snapshot not sent yet.
+func (f *familyState) wantRefresh(nextGen uint64) {
+	if !f.refresh {
+		f.refresh, f.refreshSince = true, nextGen
+	}
 }
 
 // Run coalesces until ctx ends. It starts with nothing and asks watch for a
@@ -96,11 +116,11 @@ func (s *Stage) Run(ctx context.Context) error {
 	synced := false
 	fams := make([]*familyState, len(s.families))
 	for i, f := range s.families {
-		fams[i] = &familyState{Family: f, name: "coalesce-" + lowerFamily(f.Family), pending: map[bus.ServiceKey]pendingChange{}, full: true,
+		fams[i] = &familyState{Family: f, name: "coalesce-" + lowerFamily(f.Family), pending: map[bus.ServiceKey]pendingChange{},
 			limiter: newLimiter(s.cfg.MinSyncPeriod, s.cfg.Burst, s.now())}
+		fams[i].wantFull(s.gen + 1)
 	}
 	s.replay.Raise()
-	var seq, gen uint64
 	periodic := time.NewTicker(s.cfg.SyncPeriod)
 	defer periodic.Stop()
 	timer := time.NewTimer(time.Hour)
@@ -127,14 +147,14 @@ func (s *Stage) Run(ctx context.Context) error {
 		case <-ctx.Done():
 			return nil
 		case c := <-s.in:
-			seq++
-			s.apply(&st, &synced, c, seq, fams)
+			s.seq++
+			s.apply(&st, &synced, c, s.seq, fams)
 		case <-periodic.C:
 			for _, f := range fams {
 				if s.now().Sub(f.lastFull) >= s.cfg.FullSyncPeriod {
-					f.full = true
+					f.wantFull(s.gen + 1)
 				} else {
-					f.refresh = true
+					f.wantRefresh(s.gen + 1)
 				}
 			}
 		case <-resyncC[0]:
@@ -153,8 +173,8 @@ func (s *Stage) Run(ctx context.Context) error {
 			now := s.now()
 			for _, f := range fams {
 				if synced && f.due(now) && f.limiter.take(now) {
-					gen++
-					s.send(f, &st, gen, seq, now)
+					s.gen++
+					s.send(f, &st, s.gen, s.seq, now)
 				}
 			}
 		}
@@ -213,10 +233,19 @@ func (s *Stage) apply(st *bus.State, synced *bool, c bus.Change, seq uint64, fam
 				p, ok := f.pending[key]
 				if !ok {
 					p.at = now
+					if f.oldest.IsZero() {
+						f.oldest = now
+					}
 				}
 				p.seq = seq
-				p.service = p.service || c.Kind == bus.ServiceChanged
-				p.endpoints = p.endpoints || c.Kind == bus.SliceChanged
+				if c.Kind == bus.ServiceChanged && !p.service {
+					p.service = true
+					f.pendingServices++
+				}
+				if c.Kind == bus.SliceChanged && !p.endpoints {
+					p.endpoints = true
+					f.pendingEndpoints++
+				}
 				if c.Kind == bus.SliceChanged && c.Slice != nil && c.Slice.TriggerTime.After(s.started) {
 					p.triggers = append(p.triggers, c.Slice.TriggerTime)
 				}
@@ -284,17 +313,19 @@ func (s *Stage) apply(st *bus.State, synced *bool, c bus.Change, seq uint64, fam
 	s.publish(fams, now)
 }
 
-// resend sends the current state again on top of the last commit that is known to
-// have succeeded: a restarted render or commit lost what was in flight, but the
-// kernel still holds at least that commit (a batch of an interrupted commit may
-// have left extra chains, which the next full sync removes).
+// resend sends the current state again: a restarted render or commit lost the
+// snapshot in flight, which will never be answered. A full or periodic sync it
+// carried is still wanted (see familyState.full); commit's ledger knows which
+// chains the lost write may have left half-way.
 func (s *Stage) resend(f *familyState) {
 	f.dirty, f.inflight = true, 0
 }
 
+// resync asks for a full sync after the tables were flushed: one sent from now on,
+// since a snapshot already in flight may have been written before the flush.
 func (s *Stage) resync(f *familyState) {
-	// Whatever was in flight may never be answered (render or commit restarted).
-	f.full, f.inflight = true, 0
+	f.wantFull(s.gen + 1)
+	f.inflight = 0 // repair now rather than after the snapshot in flight
 }
 
 func (s *Stage) result(f *familyState) {
@@ -308,22 +339,38 @@ func (s *Stage) result(f *familyState) {
 		f.failures++
 		backoff := min(max(s.cfg.MinSyncPeriod, 100*time.Millisecond)<<min(f.failures-1, 10), s.cfg.SyncPeriod)
 		f.retryAt = now.Add(backoff)
-		f.full = true
+		f.wantFull(s.gen + 1)
 		s.log.Warn("commit failed; retrying with a full sync", "family", f.Family.Family, "in", backoff, "failures", f.failures, "err", res.Err)
 		return
 	}
 	f.failures, f.retryAt = 0, time.Time{}
-	f.committed = res.Programmed
 	if res.Full {
 		f.lastFull = res.At
-	}
-	for k, p := range f.pending {
-		if p.seq <= f.sentSeq {
-			for _, t := range p.triggers {
-				s.metrics.NetworkProgramming.Observe(res.At.Sub(t).Seconds())
-			}
-			delete(f.pending, k)
+		if res.Generation >= f.fullSince {
+			f.full = false
 		}
+	}
+	if (res.Full || res.Refresh) && res.Generation >= f.refreshSince {
+		f.refresh = false
+	}
+	f.oldest = time.Time{}
+	for k, p := range f.pending {
+		if p.seq > f.sentSeq {
+			if f.oldest.IsZero() || p.at.Before(f.oldest) {
+				f.oldest = p.at
+			}
+			continue
+		}
+		for _, t := range p.triggers {
+			s.metrics.NetworkProgramming.Observe(res.At.Sub(t).Seconds())
+		}
+		if p.service {
+			f.pendingServices--
+		}
+		if p.endpoints {
+			f.pendingEndpoints--
+		}
+		delete(f.pending, k)
 	}
 	s.publish([]*familyState{f}, now)
 }
@@ -341,38 +388,20 @@ func (s *Stage) send(f *familyState, st *bus.State, gen, seq uint64, now time.Ti
 		Generation: gen,
 		State: bus.State{Services: maps.Clone(st.Services), Slices: maps.Clone(st.Slices), Node: st.Node,
 			LocalAddrs: st.LocalAddrs},
-		Changed: changed, Full: f.full, Refresh: f.refresh, QueuedAt: queued, Committed: f.committed,
+		Changed: changed, Full: f.full, Refresh: f.refresh, QueuedAt: queued,
 	}
-	if f.full {
-		snap.Committed = nil
-	}
-	f.inflight, f.sentSeq, f.dirty, f.full, f.refresh = gen, seq, false, false, false
+	f.inflight, f.sentSeq, f.dirty = gen, seq, false
 	f.Out.Put(snap)
 }
 
 // publish reports pending changes for /healthz and the pending metrics.
 func (s *Stage) publish(fams []*familyState, now time.Time) {
 	for _, f := range fams {
-		oldest := time.Time{}
-		for _, p := range f.pending {
-			if oldest.IsZero() || p.at.Before(oldest) {
-				oldest = p.at
-			}
-		}
-		s.board.Update(f.name, func(r *bus.Report) { r.PendingSince = oldest; r.LastQueued = now })
+		s.board.Update(f.name, func(r *bus.Report) { r.PendingSince = f.oldest; r.LastQueued = now })
 	}
-	if len(fams) > 0 {
-		services, endpoints := 0, 0
-		for _, p := range fams[0].pending {
-			if p.service {
-				services++
-			}
-			if p.endpoints {
-				endpoints++
-			}
-		}
-		s.metrics.ServicesPending.Set(float64(services))
-		s.metrics.EndpointsPending.Set(float64(endpoints))
+	if len(fams) > 0 && fams[0].Family.Family == s.families[0].Family {
+		s.metrics.ServicesPending.Set(float64(fams[0].pendingServices))
+		s.metrics.EndpointsPending.Set(float64(fams[0].pendingEndpoints))
 	}
 }
 

@@ -101,10 +101,9 @@ func (h *harness) none(f bus.Family, why string) {
 	}
 }
 
-func (h *harness) answer(f bus.Family, s *bus.Snapshot, ok bool, prog *bus.Programmed) {
-	r := bus.Result{Family: f, Generation: s.Generation, OK: ok, Full: s.Full, At: time.Now(), Programmed: prog}
+func (h *harness) answer(f bus.Family, s *bus.Snapshot, ok bool) {
+	r := bus.Result{Family: f, Generation: s.Generation, OK: ok, Full: s.Full, Refresh: s.Refresh, At: time.Now()}
 	if !ok {
-		r.Programmed = nil
 		r.Err = context.DeadlineExceeded
 	}
 	h.fams[f].Results.Put(r)
@@ -148,10 +147,6 @@ func replayOf(services ...*bus.Service) bus.Change {
 	return bus.Change{Kind: bus.Replayed, Replay: st}
 }
 
-func programmed(tag string) *bus.Programmed {
-	return &bus.Programmed{Chains: map[string]uint64{"nat/" + tag: 1}}
-}
-
 func TestAsksForReplayAtStart(t *testing.T) {
 	h := start(t, coalesce.Config{})
 	select {
@@ -174,9 +169,6 @@ func TestNoSnapshotBeforeReplay(t *testing.T) {
 	if !s.Full {
 		t.Error("first snapshot is not Full")
 	}
-	if s.Committed != nil {
-		t.Errorf("first snapshot carries Committed %v; want nil", s.Committed)
-	}
 	if len(s.State.Services) != 1 || s.State.Services[keyA] != a {
 		t.Errorf("first snapshot services = %v; want exactly the replayed %v", s.State.Services, keyA)
 	}
@@ -191,21 +183,17 @@ func TestNoSnapshotBeforeReplay(t *testing.T) {
 	}
 }
 
-func TestLaterSnapshotsArePartialOnTopOfCommitted(t *testing.T) {
+func TestLaterSnapshotsArePartial(t *testing.T) {
 	h := start(t, coalesce.Config{})
 	h.send(replayOf(svc(keyA, "10.96.0.1")))
 	s1 := h.take(bus.IPv4)
-	p1 := programmed("one")
-	h.answer(bus.IPv4, s1, true, p1)
+	h.answer(bus.IPv4, s1, true)
 
 	b := svc(keyB, "10.96.0.2")
 	h.send(bus.Change{Kind: bus.ServiceChanged, Key: keyB, Service: b})
 	s2 := h.take(bus.IPv4)
 	if s2.Full {
 		t.Error("snapshot after an OK commit is Full; want partial")
-	}
-	if s2.Committed != p1 {
-		t.Errorf("Committed = %v; want the Programmed of the last OK result %v", s2.Committed, p1)
 	}
 	if s2.Generation <= s1.Generation {
 		t.Errorf("generation went from %d to %d; want it to grow", s1.Generation, s2.Generation)
@@ -220,12 +208,11 @@ func TestLaterSnapshotsArePartialOnTopOfCommitted(t *testing.T) {
 		t.Error("QueuedAt is zero for a snapshot carrying a change")
 	}
 
-	p2 := programmed("two")
-	h.answer(bus.IPv4, s2, true, p2)
+	h.answer(bus.IPv4, s2, true)
 	h.send(bus.Change{Kind: bus.ServiceChanged, Key: keyA, Service: nil}) // deleted
 	s3 := h.take(bus.IPv4)
-	if s3.Full || s3.Committed != p2 {
-		t.Errorf("third snapshot full=%v committed=%v; want partial on top of %v", s3.Full, s3.Committed, p2)
+	if s3.Full {
+		t.Error("third snapshot is full; want partial")
 	}
 	if _, ok := s3.State.Services[keyA]; ok {
 		t.Error("deleted service still in the snapshot")
@@ -245,20 +232,16 @@ func TestAtMostOneSnapshotInFlight(t *testing.T) {
 	h.none(bus.IPv4, "changes while a snapshot is in flight")
 
 	// An answer to some other generation does not release the family.
-	h.fams[bus.IPv4].Results.Put(bus.Result{Family: bus.IPv4, Generation: s1.Generation + 100, OK: true, Programmed: programmed("x")})
+	h.fams[bus.IPv4].Results.Put(bus.Result{Family: bus.IPv4, Generation: s1.Generation + 100, OK: true})
 	h.none(bus.IPv4, "after an answer to a generation that is not in flight")
 
-	p1 := programmed("one")
-	h.answer(bus.IPv4, s1, true, p1)
+	h.answer(bus.IPv4, s1, true)
 	s2 := h.take(bus.IPv4)
 	if len(s2.State.Services) != 3 {
 		t.Errorf("snapshot after the answer has %d services; want all 3 changes folded in", len(s2.State.Services))
 	}
 	if len(s2.Changed) != 3 {
 		t.Errorf("Changed = %v; want the 3 services", s2.Changed)
-	}
-	if s2.Committed != p1 {
-		t.Errorf("Committed = %v; want %v", s2.Committed, p1)
 	}
 	h.none(bus.IPv4, "nothing changed since the second snapshot")
 }
@@ -267,7 +250,7 @@ func TestResyncSendsFullSnapshotWhileOneIsInFlight(t *testing.T) {
 	h := start(t, coalesce.Config{})
 	h.send(replayOf(svc(keyA, "10.96.0.1")))
 	s1 := h.take(bus.IPv4)
-	h.answer(bus.IPv4, s1, true, programmed("one"))
+	h.answer(bus.IPv4, s1, true)
 	h.send(bus.Change{Kind: bus.ServiceChanged, Key: keyB, Service: svc(keyB, "10.96.0.2")})
 	s2 := h.take(bus.IPv4)
 	if s2.Full {
@@ -279,9 +262,6 @@ func TestResyncSendsFullSnapshotWhileOneIsInFlight(t *testing.T) {
 	if !s3.Full {
 		t.Error("snapshot after a resync request is not Full")
 	}
-	if s3.Committed != nil {
-		t.Errorf("full snapshot carries Committed %v; want nil", s3.Committed)
-	}
 	if len(s3.State.Services) != 2 {
 		t.Errorf("full snapshot has %d services; want 2", len(s3.State.Services))
 	}
@@ -291,14 +271,13 @@ func TestResyncSendsFullSnapshotWhileOneIsInFlight(t *testing.T) {
 
 	// The late answer to the abandoned snapshot does not count as the answer to s3:
 	// a new change still waits for s3's answer.
-	h.answer(bus.IPv4, s2, true, programmed("two"))
+	h.answer(bus.IPv4, s2, true)
 	h.send(bus.Change{Kind: bus.ServiceChanged, Key: keyC, Service: svc(keyC, "10.96.0.10")})
 	h.none(bus.IPv4, "a change while the full snapshot is in flight")
-	p3 := programmed("three")
-	h.answer(bus.IPv4, s3, true, p3)
+	h.answer(bus.IPv4, s3, true)
 	s4 := h.take(bus.IPv4)
-	if s4.Full || s4.Committed != p3 {
-		t.Errorf("snapshot after the full one: full=%v committed=%v; want partial on top of %v", s4.Full, s4.Committed, p3)
+	if s4.Full {
+		t.Error("snapshot after the full one is full; want partial")
 	}
 }
 
@@ -307,7 +286,7 @@ func TestFailedCommitRetriesFullAfterBackoff(t *testing.T) {
 	h := start(t, coalesce.Config{MinSyncPeriod: period, Burst: 2})
 	h.send(replayOf(svc(keyA, "10.96.0.1")))
 	s1 := h.take(bus.IPv4)
-	h.answer(bus.IPv4, s1, true, programmed("one"))
+	h.answer(bus.IPv4, s1, true)
 	h.send(bus.Change{Kind: bus.ServiceChanged, Key: keyB, Service: svc(keyB, "10.96.0.2")})
 	s2 := h.take(bus.IPv4)
 	if s2.Full {
@@ -317,16 +296,13 @@ func TestFailedCommitRetriesFullAfterBackoff(t *testing.T) {
 	// Let the rate limiter refill, so that only the backoff can hold the retry back.
 	time.Sleep(2 * period)
 	failedAt := time.Now()
-	h.answer(bus.IPv4, s2, false, nil)
+	h.answer(bus.IPv4, s2, false)
 	s3 := h.take(bus.IPv4)
 	if waited := time.Since(failedAt); waited < period*3/4 {
 		t.Errorf("retry came %v after the failure; want a backoff of about %v", waited, period)
 	}
 	if !s3.Full {
 		t.Error("retry after a failed commit is not Full")
-	}
-	if s3.Committed != nil {
-		t.Errorf("retry carries Committed %v; want nil (full)", s3.Committed)
 	}
 	if !s3.Changed[keyB] {
 		t.Errorf("retry Changed = %v; want the uncommitted %v still there", s3.Changed, keyB)
@@ -342,7 +318,7 @@ func TestFailedCommitIsNotRetriedImmediately(t *testing.T) {
 	h.send(replayOf())
 	s1 := h.take(bus.IPv4)
 	failedAt := time.Now()
-	h.answer(bus.IPv4, s1, false, nil)
+	h.answer(bus.IPv4, s1, false)
 	s2 := h.take(bus.IPv4)
 	if waited := time.Since(failedAt); waited < 50*time.Millisecond {
 		t.Errorf("retry came %v after the failure; want a backoff", waited)
@@ -352,18 +328,17 @@ func TestFailedCommitIsNotRetriedImmediately(t *testing.T) {
 	}
 	// A second failure backs off longer than the first.
 	failedAt = time.Now()
-	h.answer(bus.IPv4, s2, false, nil)
+	h.answer(bus.IPv4, s2, false)
 	s3 := h.take(bus.IPv4)
 	if waited := time.Since(failedAt); waited < 150*time.Millisecond {
 		t.Errorf("second retry came %v after the second failure; want the backoff to grow", waited)
 	}
 	// Success resets: the next change goes out at once (no backoff left over).
-	p := programmed("ok")
-	h.answer(bus.IPv4, s3, true, p)
+	h.answer(bus.IPv4, s3, true)
 	h.send(bus.Change{Kind: bus.ServiceChanged, Key: keyA, Service: svc(keyA, "10.96.0.1")})
 	s4 := h.take(bus.IPv4)
-	if s4.Full || s4.Committed != p {
-		t.Errorf("after a success: full=%v committed=%v; want partial on top of %v", s4.Full, s4.Committed, p)
+	if s4.Full {
+		t.Error("after a success the next snapshot is full; want partial")
 	}
 }
 
@@ -372,10 +347,10 @@ func TestBurstOfTwoThenMinSyncPeriod(t *testing.T) {
 	h := start(t, coalesce.Config{MinSyncPeriod: time.Hour, SyncPeriod: 2 * time.Hour, Burst: 2})
 	h.send(replayOf())
 	s1 := h.take(bus.IPv4)
-	h.answer(bus.IPv4, s1, true, programmed("one"))
+	h.answer(bus.IPv4, s1, true)
 	h.send(bus.Change{Kind: bus.ServiceChanged, Key: keyA, Service: svc(keyA, "10.96.0.1")})
 	s2 := h.take(bus.IPv4)
-	h.answer(bus.IPv4, s2, true, programmed("two"))
+	h.answer(bus.IPv4, s2, true)
 	h.send(bus.Change{Kind: bus.ServiceChanged, Key: keyB, Service: svc(keyB, "10.96.0.2")})
 	h.none(bus.IPv4, "a third sync within the min-sync-period")
 }
@@ -386,10 +361,10 @@ func TestMinSyncPeriodSpacesTheThirdSnapshot(t *testing.T) {
 	begin := time.Now()
 	h.send(replayOf())
 	s1 := h.take(bus.IPv4)
-	h.answer(bus.IPv4, s1, true, programmed("one"))
+	h.answer(bus.IPv4, s1, true)
 	h.send(bus.Change{Kind: bus.ServiceChanged, Key: keyA, Service: svc(keyA, "10.96.0.1")})
 	s2 := h.take(bus.IPv4)
-	h.answer(bus.IPv4, s2, true, programmed("two"))
+	h.answer(bus.IPv4, s2, true)
 	h.send(bus.Change{Kind: bus.ServiceChanged, Key: keyB, Service: svc(keyB, "10.96.0.2")})
 	h.send(bus.Change{Kind: bus.ServiceChanged, Key: keyC, Service: svc(keyC, "10.96.0.10")})
 	s3 := h.take(bus.IPv4)
@@ -419,7 +394,7 @@ func TestSnapshotsAreImmutable(t *testing.T) {
 	h.send(bus.Change{Kind: bus.NodeChanged, Node: &bus.Node{Name: "node-1", Deleting: true}})
 	h.send(bus.Change{Kind: bus.LocalAddrsChanged, Addrs: []netip.Addr{netip.MustParseAddr("192.168.1.1")}})
 
-	h.answer(bus.IPv4, s1, true, programmed("one"))
+	h.answer(bus.IPv4, s1, true)
 	s2 := h.take(bus.IPv4)
 	// Every change was applied by now (s2 carries them all).
 	// s1 is exactly what it was when it was sent.
@@ -451,7 +426,7 @@ func TestSnapshotsAreImmutable(t *testing.T) {
 	h.send(bus.Change{Kind: bus.SliceChanged, Key: keyA, SliceName: "a-3", Slice: slice(keyA, "a-3", "10.244.0.4")})
 	h.send(bus.Change{Kind: bus.SliceChanged, Key: keyB, SliceName: "b-1", Slice: nil})
 	h.send(bus.Change{Kind: bus.ServiceChanged, Key: keyB, Service: nil})
-	h.answer(bus.IPv4, s2, true, programmed("two"))
+	h.answer(bus.IPv4, s2, true)
 	s3 := h.take(bus.IPv4)
 	if got := s2.State.Slices[keyA]; len(got) != 1 || got["a-2"] == nil {
 		t.Errorf("second snapshot slices of a changed after it was sent: %v", got)
@@ -469,7 +444,7 @@ func TestBoardPendingSince(t *testing.T) {
 	pending := func() time.Time { return h.board.Read()["coalesce-ipv4"].PendingSince }
 	h.send(replayOf())
 	s1 := h.take(bus.IPv4)
-	h.answer(bus.IPv4, s1, true, programmed("one"))
+	h.answer(bus.IPv4, s1, true)
 	eventually(t, "PendingSince zero after the first OK commit", func() bool {
 		_, ok := h.board.Read()["coalesce-ipv4"]
 		return ok && pending().IsZero()
@@ -488,7 +463,7 @@ func TestBoardPendingSince(t *testing.T) {
 	if got := pending(); !got.Equal(since) {
 		t.Errorf("PendingSince = %v after a newer change; want the oldest %v", got, since)
 	}
-	h.answer(bus.IPv4, s2, true, programmed("two"))
+	h.answer(bus.IPv4, s2, true)
 	// a is committed; b is not (it came after s2 was sent).
 	eventually(t, "PendingSince moves to the change s2 did not carry", func() bool {
 		p := pending()
@@ -498,13 +473,13 @@ func TestBoardPendingSince(t *testing.T) {
 	if !s3.Changed[keyB] || s3.Changed[keyA] {
 		t.Errorf("Changed = %v; want only b", s3.Changed)
 	}
-	h.answer(bus.IPv4, s3, true, programmed("three"))
+	h.answer(bus.IPv4, s3, true)
 	eventually(t, "PendingSince zero once everything is committed", func() bool { return pending().IsZero() })
 
 	// A failed commit leaves the change pending.
 	h.send(bus.Change{Kind: bus.ServiceChanged, Key: keyC, Service: svc(keyC, "10.96.0.10")})
 	s4 := h.take(bus.IPv4)
-	h.answer(bus.IPv4, s4, false, nil)
+	h.answer(bus.IPv4, s4, false)
 	time.Sleep(50 * time.Millisecond)
 	if pending().IsZero() {
 		t.Error("PendingSince zero after a failed commit; the change is not in the kernel")
@@ -519,12 +494,12 @@ func TestBoardPendingSinceCoversReplayUntilFirstCommit(t *testing.T) {
 	if pending().IsZero() {
 		t.Error("PendingSince is zero while the replayed state has never been committed")
 	}
-	h.answer(bus.IPv4, s1, false, nil)
+	h.answer(bus.IPv4, s1, false)
 	s2 := h.take(bus.IPv4)
 	if pending().IsZero() {
 		t.Error("PendingSince is zero after the first commit failed")
 	}
-	h.answer(bus.IPv4, s2, true, programmed("one"))
+	h.answer(bus.IPv4, s2, true)
 	eventually(t, "PendingSince zero after the first OK commit", func() bool { return pending().IsZero() })
 }
 
@@ -540,26 +515,25 @@ func TestFamiliesAreIndependent(t *testing.T) {
 		t.Fatal("both families got the same snapshot value")
 	}
 	// IPv4 commits; IPv6 stays in flight.
-	p4 := programmed("v4")
-	h.answer(bus.IPv4, s4, true, p4)
+	h.answer(bus.IPv4, s4, true)
 	h.send(bus.Change{Kind: bus.ServiceChanged, Key: keyB, Service: svc(keyB, "10.96.0.2")})
 	n4 := h.take(bus.IPv4)
-	if n4.Full || n4.Committed != p4 {
-		t.Errorf("IPv4 second snapshot full=%v committed=%v; want partial on %v", n4.Full, n4.Committed, p4)
+	if n4.Full {
+		t.Error("IPv4 second snapshot is full; want partial")
 	}
 	h.none(bus.IPv6, "IPv6 snapshot still in flight")
 
 	// IPv6 fails; IPv4 is unaffected.
-	h.answer(bus.IPv6, s6, false, nil)
+	h.answer(bus.IPv6, s6, false)
 	r6 := h.take(bus.IPv6)
 	if !r6.Full || r6.State.Services[keyB] == nil {
 		t.Errorf("IPv6 retry full=%v services=%v; want full with b", r6.Full, r6.State.Services)
 	}
-	h.answer(bus.IPv4, n4, true, programmed("v4-2"))
+	h.answer(bus.IPv4, n4, true)
 	h.none(bus.IPv4, "IPv4 has nothing new after IPv6 failed")
 
 	// A resync of one family does not touch the other (idle) one.
-	h.answer(bus.IPv6, r6, true, programmed("v6"))
+	h.answer(bus.IPv6, r6, true)
 	h.none(bus.IPv6, "IPv6 after its retry was committed")
 	h.fams[bus.IPv4].Resync.Raise()
 	f4 := h.take(bus.IPv4)
@@ -576,13 +550,13 @@ func TestPeriodicFullSync(t *testing.T) {
 	h := start(t, coalesce.Config{SyncPeriod: 50 * time.Millisecond, FullSyncPeriod: 300 * time.Millisecond})
 	h.send(replayOf())
 	s1 := h.take(bus.IPv4)
-	h.answer(bus.IPv4, s1, true, programmed("one"))
+	h.answer(bus.IPv4, s1, true)
 	// Nothing changes, yet every sync period brings a periodic (refresh) snapshot,
 	// and after FullSyncPeriod a full one.
 	refreshes := 0
 	for {
 		s := h.take(bus.IPv4)
-		h.answer(bus.IPv4, s, true, programmed("one"))
+		h.answer(bus.IPv4, s, true)
 		if s.Full {
 			break
 		}
@@ -602,12 +576,12 @@ func TestPeriodicFullSync(t *testing.T) {
 func TestNetworkProgrammingLatency(t *testing.T) {
 	h := start(t, coalesce.Config{})
 	h.send(replayOf(svc(keyA, "10.96.0.1")))
-	h.answer(bus.IPv4, h.take(bus.IPv4), true, &bus.Programmed{})
+	h.answer(bus.IPv4, h.take(bus.IPv4), true)
 
 	old := slice(keyA, "a-1", "10.244.0.1")
 	old.TriggerTime = time.Now().Add(-time.Hour)
 	h.send(bus.Change{Kind: bus.SliceChanged, Key: keyA, SliceName: old.Name, Slice: old})
-	h.answer(bus.IPv4, h.take(bus.IPv4), true, &bus.Programmed{})
+	h.answer(bus.IPv4, h.take(bus.IPv4), true)
 
 	fresh := slice(keyA, "a-2", "10.244.0.2")
 	fresh.TriggerTime = time.Now()
@@ -617,7 +591,7 @@ func TestNetworkProgrammingLatency(t *testing.T) {
 	if n, _ := programming(h.reg); n != 0 {
 		t.Fatalf("latency observed before the commit: %d samples", n)
 	}
-	h.answer(bus.IPv4, snap, true, &bus.Programmed{})
+	h.answer(bus.IPv4, snap, true)
 	eventually(t, "one latency sample", func() bool { n, _ := programming(h.reg); return n == 1 })
 	if _, sum := programming(h.reg); sum < 0.03 || sum > 3600 {
 		t.Errorf("latency %.3fs; want the time from the trigger (≥ 30 ms) to the commit, not the hour-old one", sum)
@@ -635,22 +609,101 @@ func programming(reg *prometheus.Registry) (uint64, float64) {
 	return 0, 0
 }
 
-// TestResendAfterRestartIsPartial: when a restarted render or commit lost the
-// snapshot in flight, coalesce sends the state again, on top of the last commit
-// that succeeded, without a full sync.
-func TestResendAfterRestartIsPartial(t *testing.T) {
+// TestResendKeepsPendingFullSync: a full sync lost to a restart of render or
+// commit is still wanted: the resent snapshot is full again. (It used to come back
+// partial, so a resync asked for by the canary after a flush was never written.)
+func TestResendKeepsPendingFullSync(t *testing.T) {
 	h := start(t, coalesce.Config{})
 	h.send(replayOf(svc(keyA, "10.96.0.1")))
-	prog := &bus.Programmed{Chains: map[string]uint64{"nat/KUBE-SERVICES": 1}}
-	h.answer(bus.IPv4, h.take(bus.IPv4), true, prog)
+	h.answer(bus.IPv4, h.take(bus.IPv4), true)
+	h.fams[bus.IPv4].Resync.Raise()
+	lost := h.take(bus.IPv4) // in flight, never answered
+	if !lost.Full {
+		t.Fatal("snapshot after a resync is not full")
+	}
+	h.fams[bus.IPv4].Resend.Raise()
+	again := h.take(bus.IPv4)
+	if !again.Full || again.Generation <= lost.Generation {
+		t.Fatalf("resent snapshot gen %d full=%v; want a new full one after gen %d", again.Generation, again.Full, lost.Generation)
+	}
+	// Only the answer to a full snapshot ends the need for one.
+	h.answer(bus.IPv4, again, true)
+	h.send(bus.Change{Kind: bus.ServiceChanged, Key: keyB, Service: svc(keyB, "10.96.0.2")})
+	if next := h.take(bus.IPv4); next.Full {
+		t.Error("snapshot after the full one was committed is still full")
+	}
+}
+
+// TestResendKeepsPendingRefresh: the same for a periodic sync.
+func TestResendKeepsPendingRefresh(t *testing.T) {
+	h := start(t, coalesce.Config{SyncPeriod: 100 * time.Millisecond})
+	h.send(replayOf(svc(keyA, "10.96.0.1")))
+	h.answer(bus.IPv4, h.take(bus.IPv4), true)
+	lost := h.take(bus.IPv4)
+	if !lost.Refresh {
+		t.Fatal("snapshot with nothing changed is not periodic")
+	}
+	h.fams[bus.IPv4].Resend.Raise()
+	if again := h.take(bus.IPv4); !again.Refresh {
+		t.Error("resent snapshot lost the periodic sync")
+	}
+}
+
+// TestResendAfterRestartSendsTheState: when a restarted render or commit lost the
+// snapshot in flight, coalesce sends the state again at once, with a new number.
+func TestResendAfterRestartSendsTheState(t *testing.T) {
+	h := start(t, coalesce.Config{})
+	h.send(replayOf(svc(keyA, "10.96.0.1")))
+	h.answer(bus.IPv4, h.take(bus.IPv4), true)
 	h.send(bus.Change{Kind: bus.ServiceChanged, Key: keyB, Service: svc(keyB, "10.96.0.2")})
 	lost := h.take(bus.IPv4) // in flight, never answered
 	h.fams[bus.IPv4].Resend.Raise()
 	again := h.take(bus.IPv4)
-	if again.Full || again.Committed != prog || again.Generation == lost.Generation {
-		t.Fatalf("resent snapshot gen %d full=%v committed=%p; want a new partial one on top of %p", again.Generation, again.Full, again.Committed, prog)
+	if again.Full || again.Generation == lost.Generation {
+		t.Fatalf("resent snapshot gen %d full=%v; want a new partial one", again.Generation, again.Full)
 	}
 	if _, ok := again.State.Services[keyB]; !ok {
 		t.Error("the resent snapshot lacks the change that was in flight")
+	}
+}
+
+// TestGenerationsOutliveARestart: a restarted coalesce must not number its
+// snapshots from 1 again, or a Result left in a mailbox by the previous run (the
+// mailboxes outlive it) is taken for the answer to a new snapshot.
+func TestGenerationsOutliveARestart(t *testing.T) {
+	in, replay := make(chan bus.Change), bus.NewFlag()
+	fam := coalesce.Family{Family: bus.IPv4, Out: bus.NewMailbox[*bus.Snapshot](), Results: bus.NewMailbox[bus.Result](),
+		Resync: bus.NewFlag(), Resend: bus.NewFlag()}
+	s := coalesce.NewStage(coalesce.Config{SyncPeriod: time.Hour}, in, replay, []coalesce.Family{fam}, bus.NewBoard(),
+		bus.NewMetrics(prometheus.NewRegistry()), slog.New(slog.DiscardHandler))
+	run := func() (*bus.Snapshot, context.CancelFunc, chan error) {
+		ctx, cancel := context.WithCancel(context.Background())
+		done := make(chan error, 1)
+		go func() { done <- s.Run(ctx) }()
+		in <- replayOf(svc(keyA, "10.96.0.1"))
+		tctx, tcancel := context.WithTimeout(context.Background(), within)
+		defer tcancel()
+		snap, err := fam.Out.Take(tctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return snap, cancel, done
+	}
+	first, cancel, done := run()
+	cancel()
+	<-done
+	// The first run's snapshot is answered late, after its coalesce restarted.
+	fam.Results.Put(bus.Result{Family: bus.IPv4, Generation: first.Generation, OK: true, Full: true})
+	second, cancel, done := run()
+	defer func() { cancel(); <-done }()
+	if second.Generation <= first.Generation {
+		t.Fatalf("restarted coalesce numbered its snapshot %d after %d", second.Generation, first.Generation)
+	}
+	// The stale answer must not release the family: a change waits for the answer to second.
+	in <- bus.Change{Kind: bus.ServiceChanged, Key: keyB, Service: svc(keyB, "10.96.0.2")}
+	ctx, c := context.WithTimeout(context.Background(), quiet)
+	defer c()
+	if s, err := fam.Out.Take(ctx); err == nil {
+		t.Fatalf("snapshot %d sent while %d is in flight (a stale result was taken for its answer)", s.Generation, second.Generation)
 	}
 }

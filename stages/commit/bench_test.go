@@ -1,6 +1,7 @@
 package commit
 
 import (
+	"context"
 	"fmt"
 	"maps"
 	"net/netip"
@@ -25,9 +26,10 @@ func BenchmarkCommit(b *testing.B) {
 	for _, n := range []int{1000, 10000} {
 		st := render.SyntheticState(n, 10)
 		fullPlan := render.Render(cfg, &bus.Snapshot{State: st, Full: true})
-		partial := render.Render(cfg, &bus.Snapshot{State: withOneChange(st), Committed: fullPlan.Programmed})
-		periodic := render.Render(cfg, &bus.Snapshot{State: st, Committed: fullPlan.Programmed, Refresh: true})
-		added := render.Render(cfg, &bus.Snapshot{State: withNewService(st), Committed: fullPlan.Programmed})
+		same := render.Render(cfg, &bus.Snapshot{State: st})
+		partial := render.Render(cfg, &bus.Snapshot{State: withOneChange(st)})
+		periodic := render.Render(cfg, &bus.Snapshot{State: st, Refresh: true})
+		added := render.Render(cfg, &bus.Snapshot{State: withNewService(st)})
 		b.Run(fmt.Sprintf("services=%d/full-into-empty", n), func(b *testing.B) {
 			for b.Loop() {
 				b.StopTimer()
@@ -40,25 +42,33 @@ func BenchmarkCommit(b *testing.B) {
 			b.ReportMetric(float64(fullPlan.Tables[0].RuleCount+fullPlan.Tables[1].RuleCount), "rules")
 		})
 		ns := netnstest.New(b)
-		ns.Run(b, func() error { return apply(fullPlan) })
+		s := realStage()
+		write := func(p *bus.Plan) func() error { return func() error { return s.apply(context.Background(), p) } }
+		ns.Run(b, write(fullPlan))
 		b.Run(fmt.Sprintf("services=%d/full-over-itself", n), func(b *testing.B) {
 			for b.Loop() {
-				ns.Run(b, func() error { return apply(fullPlan) })
+				ns.Run(b, write(fullPlan))
 			}
 		})
+		// Each iteration changes one service's endpoints, or changes them back.
 		b.Run(fmt.Sprintf("services=%d/partial-one-service", n), func(b *testing.B) {
+			i := 0
 			for b.Loop() {
-				ns.Run(b, func() error { return apply(partial) })
+				i++
+				ns.Run(b, write([]*bus.Plan{partial, same}[i%2]))
 			}
 		})
 		b.Run(fmt.Sprintf("services=%d/partial-new-service", n), func(b *testing.B) {
+			i := 0
 			for b.Loop() {
-				ns.Run(b, func() error { return apply(added) })
+				i++
+				ns.Run(b, write([]*bus.Plan{added, same}[i%2]))
 			}
 		})
+		ns.Run(b, write(same))
 		b.Run(fmt.Sprintf("services=%d/periodic", n), func(b *testing.B) {
 			for b.Loop() {
-				ns.Run(b, func() error { return apply(periodic) })
+				ns.Run(b, write(periodic))
 			}
 		})
 	}

@@ -1,10 +1,11 @@
-// Package commit is the only writer of netfilter rules: it applies render's plans
-// with iptables-restore and reports each result to coalesce.
+// Package commit is the only writer of netfilter rules: it compares each of
+// render's plans with what its Ledger says the kernel holds, writes what differs
+// with iptables-restore, and reports each result to coalesce.
 package commit
 
 import (
-	"bytes"
 	"context"
+	"errors"
 	"fmt"
 	"log/slog"
 	"maps"
@@ -16,6 +17,21 @@ import (
 	nf "github.com/kpipe/kpipe/netfilter"
 )
 
+// Kernel is what commit needs from netfilter; netfilter.Tool provides it, and a
+// test fake can fail or stall on demand.
+type Kernel interface {
+	// Restore applies an iptables-restore --noflush payload.
+	Restore(ctx context.Context, payload []byte) error
+	// Save lists every chain of table with its rules, as iptables-save prints them.
+	Save(ctx context.Context, table string) (map[string][]string, error)
+	// ListChain lists one chain's rules, as iptables -S prints them.
+	ListChain(ctx context.Context, table, chain string) ([]string, error)
+	// EnsureJumps puts back any missing jump from a built-in chain.
+	EnsureJumps(ctx context.Context, js []nf.Jump) error
+	// WriteSysctl sets a sysctl such as "net/ipv4/conf/all/route_localnet".
+	WriteSysctl(name, value string) error
+}
+
 // Outputs are where commit sends what follows a successful commit.
 type Outputs struct {
 	Results      *bus.Mailbox[bus.Result]
@@ -26,22 +42,26 @@ type Outputs struct {
 
 // Stage applies plans of one family.
 type Stage struct {
-	family           bus.Family
+	family bus.Family
+	// localnetFirewall: NodePorts answer on 127.0.0.1, which needs route_localnet
+	// and the KUBE-FIREWALL rule that guards it.
 	localnetFirewall bool
 	in               *bus.Mailbox[*bus.Plan]
 	out              Outputs
+	ledger           *Ledger
+	kernel           Kernel
 	board            *bus.Board
 	metrics          *bus.Metrics
 	log              *slog.Logger
-	tool             nf.Tool
 	name             string
 }
 
-// NewStage makes the commit stage of family. localnetFirewall says whether the
-// KUBE-FIREWALL jumps (localhost NodePorts) are wanted.
-func NewStage(family bus.Family, localnetFirewall bool, in *bus.Mailbox[*bus.Plan], out Outputs, board *bus.Board, metrics *bus.Metrics, log *slog.Logger) *Stage {
-	return &Stage{family: family, localnetFirewall: localnetFirewall, in: in, out: out, board: board, metrics: metrics, log: log,
-		tool: nf.Tool{Family: family}, name: "commit-" + lower(family)}
+// NewStage makes the commit stage of family. ledger outlives the stage: a restarted
+// stage gets the same one.
+func NewStage(family bus.Family, localnetFirewall bool, in *bus.Mailbox[*bus.Plan], out Outputs, ledger *Ledger, kernel Kernel,
+	board *bus.Board, metrics *bus.Metrics, log *slog.Logger) *Stage {
+	return &Stage{family: family, localnetFirewall: localnetFirewall && family == bus.IPv4, in: in, out: out, ledger: ledger,
+		kernel: kernel, board: board, metrics: metrics, log: log, name: "commit-" + lower(family)}
 }
 
 func lower(f bus.Family) string {
@@ -54,23 +74,18 @@ func lower(f bus.Family) string {
 // Run applies plans until ctx ends. It never flushes anything at start: the rules
 // a previous kpipe left keep working until a full sync replaces them.
 func (s *Stage) Run(ctx context.Context) error {
-	rules, err := nf.NewRules(s.family)
-	if err != nil {
-		return err
-	}
-	// A plan a previous run was applying is lost: ask for it again. (At start-up
-	// coalesce's first snapshot is a full sync anyway.)
+	// A plan a previous run was applying is lost: ask for the state again. The
+	// ledger knows which chains that run may have left half-way.
 	if s.out.Resend != nil {
 		s.out.Resend.Raise()
 	}
-	var last *bus.Programmed
 	for {
 		plan, err := s.in.Take(ctx)
 		if err != nil {
 			return nil
 		}
 		start := time.Now()
-		if err := s.apply(ctx, rules, plan); err != nil {
+		if err := s.apply(ctx, plan); err != nil {
 			if ctx.Err() != nil {
 				return nil
 			}
@@ -83,13 +98,15 @@ func (s *Stage) Run(ctx context.Context) error {
 		}
 		now := time.Now()
 		s.record(plan, start, now)
-		s.out.Results.Put(bus.Result{Family: s.family, Generation: plan.Generation, OK: true, Full: plan.Full, At: now,
-			Programmed: plan.Programmed})
-		s.out.HealthChecks.Put(bus.HealthCheckUpdates{s.family: plan.HealthChecks})
-		if flows, changed := staleFlows(s.family, last, plan.Programmed); changed {
+		flows, udpChanged := staleFlows(s.family, s.ledger.udp, s.ledger.haveUDP, plan.UDP)
+		s.ledger.udp, s.ledger.haveUDP = plan.UDP, true
+		s.out.Results.Put(bus.Result{Family: s.family, Generation: plan.Generation, OK: true, Full: plan.Full, Refresh: plan.Refresh, At: now})
+		if s.out.HealthChecks != nil {
+			s.out.HealthChecks.Put(bus.HealthCheckUpdates{s.family: plan.HealthChecks})
+		}
+		if udpChanged && s.out.Flows != nil {
 			s.out.Flows.Put(flows)
 		}
-		last = plan.Programmed
 	}
 }
 
@@ -99,103 +116,195 @@ func (s *Stage) Run(ctx context.Context) error {
 // in batches of 5000 (see BenchmarkRestore).
 const maxChainsPerRestore = 4000
 
-// apply writes the plan. A full plan also deletes per-service chains that exist in
-// the kernel but not in the plan; a full or periodic one re-ensures the jumps from
-// the built-in chains.
-// A large plan is written in batches: per-service chains first, in an order where a
-// chain only jumps to chains already written, and the top-level chains, which make
-// the new chains reachable, last. Each batch replaces whole chains atomically.
-func (s *Stage) apply(ctx context.Context, rules *nf.Rules, plan *bus.Plan) error {
-	var batches [][]byte
-	var last bytes.Buffer
+// apply brings the kernel to the plan. It writes the chains that differ from the
+// ledger (every chain, for a full sync), deletes the per-service chains the plan
+// no longer has (for a full sync: every such chain in the kernel), and for a full
+// or periodic sync checks the top-level and bucket chains and the jumps into them.
+func (s *Stage) apply(ctx context.Context, plan *bus.Plan) error {
+	full := plan.Full || !s.ledger.synced
+	var w writes
 	for _, tp := range plan.Tables {
-		var stale []string
-		if plan.Full {
-			existing, err := s.tool.Chains(ctx, tp.Table)
-			if err != nil {
-				return err
-			}
-			stale = staleChains(existing, tp, plan.Programmed)
-		}
-		chains := tp.Chains
-		if plan.Refresh && !plan.Full {
-			chains = s.drifted(ctx, tp.Table, chains)
-		}
-		services, top := splitChains(chains)
-		if len(chains) <= maxChainsPerRestore {
-			services, top = nil, chains
-		}
-		for len(services) > 0 {
-			n := min(len(services), maxChainsPerRestore)
-			batches = append(batches, nf.Assemble(tp.Table, services[:n], nil))
-			services = services[n:]
-		}
-		if len(top) > 0 || len(tp.Delete) > 0 || len(stale) > 0 {
-			last.Write(nf.Assemble(tp.Table, top, append(append([]string{}, tp.Delete...), stale...)))
-		}
-	}
-	if last.Len() > 0 {
-		batches = append(batches, last.Bytes())
-	}
-	for i, b := range batches {
-		if err := s.tool.Restore(ctx, b); err != nil {
-			return fmt.Errorf("commit generation %d (restore %d of %d): %w", plan.Generation, i+1, len(batches), err)
-		}
-	}
-	if plan.Full || plan.Refresh {
-		if err := rules.EnsureJumps(nf.Jumps(s.localnetFirewall && s.family == bus.IPv4)); err != nil {
+		tw, err := s.changes(ctx, tp, full, plan.Refresh)
+		if err != nil {
 			return err
+		}
+		w.tables = append(w.tables, tw)
+	}
+	steps := w.steps(s.ledger)
+	if full {
+		s.ledger.reset()
+	}
+	for i, step := range steps {
+		if err := s.restore(ctx, step); err != nil {
+			return fmt.Errorf("commit generation %d (restore %d): %w", plan.Generation, i+1, err)
+		}
+	}
+	s.learn(ctx, w)
+	if full || plan.Refresh {
+		if err := s.kernel.EnsureJumps(ctx, nf.Jumps(s.localnetFirewall)); err != nil {
+			return err
+		}
+	}
+	if full {
+		s.ledger.synced = true
+		if s.localnetFirewall {
+			// Only now that the KUBE-FIREWALL rule guards 127.0.0.0/8 (CVE-2020-8558).
+			if err := s.kernel.WriteSysctl("net/ipv4/conf/all/route_localnet", "1"); err != nil {
+				s.log.Error("NodePorts on 127.0.0.1 will not work", "err", err)
+			}
 		}
 	}
 	return nil
 }
 
-// drifted keeps, of a periodic plan's chains, the per-service chains (they changed)
-// and the top-level chains whose rule count in the kernel is not what kpipe wrote:
-// someone deleted or added a rule by hand. Reading a chain is cheap where
-// rewriting KUBE-SERVICES is not (4 s at 10k services: every rule's jump target
-// is looked up among all chains).
-func (s *Stage) drifted(ctx context.Context, table string, chains []bus.Chain) []bus.Chain {
-	var out []bus.Chain
-	for _, c := range chains {
-		if nf.IsOwned(c.Name) || s.tool.RuleCount(ctx, table, c.Name) != bytes.Count(c.Rules, []byte("\n")) {
+// changes works out what to write and delete in one table.
+func (s *Stage) changes(ctx context.Context, tp bus.TablePayload, full, refresh bool) (tableWrites, error) {
+	tw := tableWrites{table: tp.Table}
+	wanted := make(map[string]bool, len(tp.Chains))
+	for _, c := range tp.Chains {
+		wanted[c.Name] = true
+	}
+	if full {
+		kernel, err := s.kernel.Save(ctx, tp.Table)
+		if err != nil {
+			return tw, err
+		}
+		tw.write = tp.Chains
+		for _, name := range slices.Sorted(maps.Keys(kernel)) {
+			if nf.IsOwned(name) && !wanted[name] {
+				tw.stale = append(tw.stale, name)
+			}
+		}
+		return tw, nil
+	}
+	var unchecked []bus.Chain
+	for _, c := range tp.Chains {
+		if s.ledger.differs(tp.Table, c) {
+			tw.write = append(tw.write, c)
+		} else if refresh && checked(c.Name) {
+			unchecked = append(unchecked, c)
+		}
+	}
+	tw.delete = s.ledger.unwanted(tp.Table, wanted)
+	if len(unchecked) > 0 {
+		drifted, err := s.drifted(ctx, tp.Table, unchecked)
+		if err != nil {
+			return tw, err
+		}
+		if len(drifted) > 0 {
+			s.log.Info("repairing chains changed behind kpipe's back", "family", s.family, "table", tp.Table, "chains", len(drifted))
+		}
+		tw.write = mergeInOrder(tp.Chains, tw.write, drifted)
+	}
+	return tw, nil
+}
+
+// checked says whether a periodic sync compares the chain with the kernel: the
+// top-level chains and the buckets, which kube-proxy rewrites on every sync.
+// Per-service chains are only rewritten by the hourly full sync, as in kube-proxy.
+func checked(chain string) bool {
+	return nf.WriteRank(chain) < 0 || nf.IsBucket(chain)
+}
+
+// mergeInOrder returns the chains of all that are in a or b, in all's order.
+func mergeInOrder(all, a, b []bus.Chain) []bus.Chain {
+	in := make(map[string]bool, len(a)+len(b))
+	for _, c := range a {
+		in[c.Name] = true
+	}
+	for _, c := range b {
+		in[c.Name] = true
+	}
+	out := make([]bus.Chain, 0, len(in))
+	for _, c := range all {
+		if in[c.Name] {
 			out = append(out, c)
 		}
 	}
 	return out
 }
 
-// splitChains separates per-service chains, ordered so that each only jumps to
-// chains before it (KUBE-MARK-MASQ, which they jump to and which a fresh node does
-// not have yet, then endpoint chains, then service and local-policy chains, then
-// external, then firewall, then the KUBE-SERVICES buckets), from the top-level
-// chains.
-func splitChains(chains []bus.Chain) (services, top []bus.Chain) {
-	rank := nf.WriteRank
-	for _, c := range chains {
-		if rank(c.Name) < 0 {
-			top = append(top, c)
-		} else {
-			services = append(services, c)
-		}
+// readChains lists the rules of the named chains of table, reading the whole table
+// once when there are many (one iptables-save costs about as much as a few
+// iptables -S). A chain missing from the kernel is absent from the map.
+func (s *Stage) readChains(ctx context.Context, table string, names []string) (map[string][]string, error) {
+	if len(names) > 8 {
+		return s.kernel.Save(ctx, table)
 	}
-	slices.SortStableFunc(services, func(a, b bus.Chain) int { return rank(a.Name) - rank(b.Name) })
-	return services, top
+	out := make(map[string][]string, len(names))
+	for _, name := range names {
+		rules, err := s.kernel.ListChain(ctx, table, name)
+		if err != nil {
+			if isNoChain(err) {
+				continue
+			}
+			return nil, err
+		}
+		out[name] = rules
+	}
+	return out, nil
 }
 
-// staleChains lists per-service chains in the kernel that the plan neither writes
-// nor deletes already.
-func staleChains(existing []string, tp bus.TablePayload, programmed *bus.Programmed) []string {
-	var stale []string
-	for _, c := range existing {
-		if !nf.IsOwned(c) || slices.Contains(tp.Delete, c) {
-			continue
-		}
-		if _, ok := programmed.Chains[tp.Table+"/"+c]; !ok {
-			stale = append(stale, c)
+// drifted returns the chains whose kernel listing is not what kpipe last read
+// back after writing them: someone deleted, added or changed a rule by hand.
+func (s *Stage) drifted(ctx context.Context, table string, chains []bus.Chain) ([]bus.Chain, error) {
+	names := make([]string, len(chains))
+	for i, c := range chains {
+		names[i] = c.Name
+	}
+	kernel, err := s.readChains(ctx, table, names)
+	if err != nil {
+		return nil, err
+	}
+	var out []bus.Chain
+	for _, c := range chains {
+		rules, ok := kernel[c.Name]
+		if !ok || !s.ledger.matches(table, c.Name, rules) {
+			out = append(out, c)
 		}
 	}
-	return stale
+	return out, nil
+}
+
+// learn reads back the checked chains just written, so that the next periodic sync
+// can tell whether someone changed them. A failed read only costs a rewrite then.
+func (s *Stage) learn(ctx context.Context, w writes) {
+	for _, tw := range w.tables {
+		var names []string
+		for _, c := range tw.write {
+			if checked(c.Name) {
+				names = append(names, c.Name)
+			}
+		}
+		if len(names) == 0 {
+			continue
+		}
+		kernel, err := s.readChains(ctx, tw.table, names)
+		if err != nil {
+			s.log.Warn("reading back written chains", "family", s.family, "table", tw.table, "err", err)
+			continue
+		}
+		for _, name := range names {
+			if rules, ok := kernel[name]; ok {
+				s.ledger.sawKernel(tw.table, name, rules)
+			}
+		}
+	}
+}
+
+// restore runs one step. The ledger holds its chains in doubt until the kernel
+// confirms the write: a commit killed half-way leaves them to be rewritten.
+func (s *Stage) restore(ctx context.Context, st step) error {
+	for _, op := range st.ops() {
+		s.ledger.doubt(op)
+	}
+	if err := s.kernel.Restore(ctx, st.payload()); err != nil {
+		return err
+	}
+	for _, op := range st.ops() {
+		s.ledger.confirm(op)
+	}
+	return nil
 }
 
 func (s *Stage) record(plan *bus.Plan, start, now time.Time) {
@@ -221,20 +330,19 @@ func (s *Stage) record(plan *bus.Plan, start, now time.Time) {
 	s.log.Debug("committed", "family", s.family, "generation", plan.Generation, "full", plan.Full, "took", now.Sub(began))
 }
 
+func isNoChain(err error) bool { return errors.Is(err, nf.ErrNoChain) }
+
 // staleFlows says which UDP front-ends changed since the last commit, if any did.
-func staleFlows(family bus.Family, last, now *bus.Programmed) (bus.StaleFlows, bool) {
-	var before map[netip.AddrPort][]netip.AddrPort
-	if last != nil {
-		before = last.UDP
-	}
-	if last != nil && maps.EqualFunc(before, now.UDP, slices.Equal) {
+// The first commit of a process always reports: flows from before it may be stale.
+func staleFlows(family bus.Family, before map[netip.AddrPort][]netip.AddrPort, haveBefore bool, now map[netip.AddrPort][]netip.AddrPort) (bus.StaleFlows, bool) {
+	if haveBefore && maps.EqualFunc(before, now, slices.Equal) {
 		return bus.StaleFlows{}, false
 	}
 	gone := map[netip.AddrPort]bool{}
 	for k := range before {
-		if _, ok := now.UDP[k]; !ok {
+		if _, ok := now[k]; !ok {
 			gone[k] = true
 		}
 	}
-	return bus.StaleFlows{Family: family, Now: now.UDP, Gone: gone}, true
+	return bus.StaleFlows{Family: family, Now: now, Gone: gone}, true
 }

@@ -19,47 +19,6 @@ import (
 	"github.com/kpipe/kpipe/stages/render"
 )
 
-func TestStaleChains(t *testing.T) {
-	svc := nf.PrefixService + "AAAAAAAAAAAAAAAA"
-	svl := nf.PrefixServiceLocal + "BBBBBBBBBBBBBBBB"
-	ext := nf.PrefixExternal + "CCCCCCCCCCCCCCCC"
-	fw := nf.PrefixFirewall + "DDDDDDDDDDDDDDDD"
-	sep := nf.PrefixEndpoint + "EEEEEEEEEEEEEEEE" // kube-proxy's per-endpoint chain, never written by kpipe
-	xlb := "KUBE-XLB-FFFFFFFFFFFFFFFF"            // kube-proxy's legacy local-balancer chain
-	oldSvc := nf.PrefixService + "GGGGGGGGGGGGGGGG"
-	deleted := nf.PrefixService + "HHHHHHHHHHHHHHHH"
-
-	existing := []string{
-		"PREROUTING", "INPUT", "OUTPUT", "POSTROUTING", // built-in
-		nf.ChainServices, nf.ChainNodePorts, nf.ChainPostrouting, nf.ChainMarkMasq, nf.ChainCanary, // kpipe's fixed chains
-		"CNI-HOSTPORT-DNAT", "MY-OWN-CHAIN", // someone else's
-		svc, svl, ext, fw, sep, xlb, oldSvc, deleted,
-	}
-	tp := bus.TablePayload{Table: "nat", Delete: []string{deleted}}
-	programmed := &bus.Programmed{Chains: map[string]uint64{
-		"nat/" + svc: 1, "nat/" + svl: 2, "nat/" + ext: 3,
-		"nat/" + nf.ChainServices: 4,
-		"filter/" + fw:            5, // same name in another table does not keep the nat one
-	}}
-	got := staleChains(existing, tp, programmed)
-	want := []string{fw, sep, xlb, oldSvc}
-	if !slices.Equal(got, want) {
-		t.Errorf("staleChains = %v; want %v", got, want)
-	}
-}
-
-func TestStaleChainsNothingStale(t *testing.T) {
-	svc := nf.PrefixService + "AAAAAAAAAAAAAAAA"
-	tp := bus.TablePayload{Table: "filter"}
-	programmed := &bus.Programmed{Chains: map[string]uint64{"filter/" + svc: 1}}
-	if got := staleChains([]string{"INPUT", nf.ChainExternalServices, svc}, tp, programmed); len(got) != 0 {
-		t.Errorf("staleChains = %v; want none", got)
-	}
-	if got := staleChains(nil, tp, programmed); len(got) != 0 {
-		t.Errorf("staleChains of an empty table = %v; want none", got)
-	}
-}
-
 func ap(s string) netip.AddrPort { return netip.MustParseAddrPort(s) }
 
 func eps(ss ...string) []netip.AddrPort {
@@ -70,6 +29,18 @@ func eps(ss ...string) []netip.AddrPort {
 	return out
 }
 
+// udpMap is a UDP front-end map as a commit leaves it (nil: no commit yet).
+type udpMap struct {
+	UDP map[netip.AddrPort][]netip.AddrPort
+}
+
+func udpOf(p *udpMap) map[netip.AddrPort][]netip.AddrPort {
+	if p == nil {
+		return nil
+	}
+	return p.UDP
+}
+
 func TestStaleFlows(t *testing.T) {
 	dns := ap("10.96.0.10:53")
 	np := ap("0.0.0.0:30053")
@@ -78,63 +49,63 @@ func TestStaleFlows(t *testing.T) {
 
 	tests := []struct {
 		name        string
-		last, now   *bus.Programmed
+		last, now   *udpMap
 		wantChanged bool
 		wantGone    []netip.AddrPort
 	}{
 		{
 			name: "first commit always reports (flows from before a restart)",
-			last: nil, now: &bus.Programmed{UDP: base},
+			last: nil, now: &udpMap{UDP: base},
 			wantChanged: true,
 		},
 		{
 			name: "first commit with no UDP services still reports",
-			last: nil, now: &bus.Programmed{},
+			last: nil, now: &udpMap{},
 			wantChanged: true,
 		},
 		{
 			name: "nothing changed",
-			last: &bus.Programmed{UDP: base},
-			now: &bus.Programmed{UDP: map[netip.AddrPort][]netip.AddrPort{
+			last: &udpMap{UDP: base},
+			now: &udpMap{UDP: map[netip.AddrPort][]netip.AddrPort{
 				dns: eps("10.244.1.5:53", "10.244.2.5:53"), np: eps("10.244.1.5:53")}},
 			wantChanged: false,
 		},
 		{
 			name: "no UDP before or after",
-			last: &bus.Programmed{}, now: &bus.Programmed{UDP: map[netip.AddrPort][]netip.AddrPort{}},
+			last: &udpMap{}, now: &udpMap{UDP: map[netip.AddrPort][]netip.AddrPort{}},
 			wantChanged: false,
 		},
 		{
 			name: "an endpoint went away",
-			last: &bus.Programmed{UDP: base},
-			now: &bus.Programmed{UDP: map[netip.AddrPort][]netip.AddrPort{
+			last: &udpMap{UDP: base},
+			now: &udpMap{UDP: map[netip.AddrPort][]netip.AddrPort{
 				dns: eps("10.244.1.5:53"), np: eps("10.244.1.5:53")}},
 			wantChanged: true,
 		},
 		{
 			name: "a front-end went away",
-			last: &bus.Programmed{UDP: base},
-			now: &bus.Programmed{UDP: map[netip.AddrPort][]netip.AddrPort{
+			last: &udpMap{UDP: base},
+			now: &udpMap{UDP: map[netip.AddrPort][]netip.AddrPort{
 				dns: eps("10.244.1.5:53", "10.244.2.5:53")}},
 			wantChanged: true, wantGone: []netip.AddrPort{np},
 		},
 		{
 			name: "a front-end came",
-			last: &bus.Programmed{UDP: base},
-			now: &bus.Programmed{UDP: map[netip.AddrPort][]netip.AddrPort{
+			last: &udpMap{UDP: base},
+			now: &udpMap{UDP: map[netip.AddrPort][]netip.AddrPort{
 				dns: eps("10.244.1.5:53", "10.244.2.5:53"), np: eps("10.244.1.5:53"), other: eps("10.244.3.3:514")}},
 			wantChanged: true,
 		},
 		{
 			name:        "every UDP service went away",
-			last:        &bus.Programmed{UDP: base},
-			now:         &bus.Programmed{},
+			last:        &udpMap{UDP: base},
+			now:         &udpMap{},
 			wantChanged: true, wantGone: []netip.AddrPort{dns, np},
 		},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			got, changed := staleFlows(bus.IPv4, tt.last, tt.now)
+			got, changed := staleFlows(bus.IPv4, udpOf(tt.last), tt.last != nil, udpOf(tt.now))
 			if changed != tt.wantChanged {
 				t.Fatalf("changed = %v; want %v", changed, tt.wantChanged)
 			}
@@ -165,16 +136,16 @@ func TestStaleFlows(t *testing.T) {
 }
 
 func TestStaleFlowsKeepsFamily(t *testing.T) {
-	got, changed := staleFlows(bus.IPv6, nil, &bus.Programmed{UDP: map[netip.AddrPort][]netip.AddrPort{ap("[fd00::10]:53"): eps("[fd00:1::5]:53")}})
+	got, changed := staleFlows(bus.IPv6, nil, false, map[netip.AddrPort][]netip.AddrPort{ap("[fd00::10]:53"): eps("[fd00:1::5]:53")})
 	if !changed || got.Family != bus.IPv6 {
 		t.Fatalf("staleFlows = %+v, %v; want an IPv6 report", got, changed)
 	}
 }
 
 // jumpTargets lists the chains that rules jump to ("-j NAME" or "-g NAME").
-func jumpTargets(rules []byte) []string {
+func jumpTargets(rules string) []string {
 	var out []string
-	fields := strings.Fields(string(rules))
+	fields := strings.Fields(rules)
 	for i := 0; i+1 < len(fields); i++ {
 		if fields[i] == "-j" || fields[i] == "-g" {
 			out = append(out, fields[i+1])
@@ -290,8 +261,9 @@ func TestApplyBatchedFullSyncIntoEmptyTables(t *testing.T) {
 }
 
 // TestPeriodicRepairsDrift: a periodic plan puts back a rule deleted by hand from a
-// top-level chain and a deleted jump from a built-in chain (real iptables, in a
-// throwaway network namespace).
+// top-level chain, a rule changed by hand in a bucket (same number of rules, other
+// content) and a deleted jump from a built-in chain (real iptables, in a throwaway
+// network namespace).
 func TestPeriodicRepairsDrift(t *testing.T) {
 	if _, err := exec.LookPath("iptables-restore"); err != nil {
 		t.Skip("iptables-restore not installed (go tool task setup)")
@@ -299,26 +271,41 @@ func TestPeriodicRepairsDrift(t *testing.T) {
 	cfg := render.Config{Family: bus.IPv4, NodeName: "n", MasqueradeBit: 14, DetectLocal: render.DetectClusterCIDR}
 	st := render.SyntheticState(3, 2)
 	fullPlan := render.Render(cfg, &bus.Snapshot{State: st, Full: true})
-	periodic := render.Render(cfg, &bus.Snapshot{State: st, Committed: fullPlan.Programmed, Refresh: true})
+	periodic := render.Render(cfg, &bus.Snapshot{State: st, Refresh: true})
 	netnstest.New(t).Run(t, func() error {
-		if err := apply(fullPlan); err != nil {
+		s := realStage()
+		if err := s.apply(context.Background(), fullPlan); err != nil {
 			return err
 		}
 		tool := nf.Tool{Family: bus.IPv4}
-		before := tool.RuleCount(context.Background(), nf.TableNAT, nf.ChainServices)
+		save := func() (map[string][]string, error) { return tool.Save(context.Background(), nf.TableNAT) }
+		before, err := save()
+		if err != nil {
+			return err
+		}
+		bucket := nf.BucketChain(nf.Bucket(st.Services[bus.ServiceKey{Namespace: "ns0", Name: "svc0"}].ClusterIPs[0]))
+		// Another rule in place of the first: the rule count stays, the content does not.
+		changed := []string{"-t", "nat", "-R", bucket, "1", "-d", "10.96.0.0/32", "-j", nf.ChainMarkMasq}
 		for _, args := range [][]string{
 			{"-t", "nat", "-D", nf.ChainServices, "1"},
+			changed,
 			{"-t", "nat", "-D", "PREROUTING", "-m", "comment", "--comment", "kubernetes service portals", "-j", nf.ChainServices},
 		} {
 			if out, err := exec.Command("iptables", args...).CombinedOutput(); err != nil {
 				return fmt.Errorf("iptables %v: %v %s", args, err, out)
 			}
 		}
-		if err := apply(periodic); err != nil {
+		if err := s.apply(context.Background(), periodic); err != nil {
 			return err
 		}
-		if after := tool.RuleCount(context.Background(), nf.TableNAT, nf.ChainServices); after != before {
-			return fmt.Errorf("KUBE-SERVICES has %d rules after the periodic sync; want %d back", after, before)
+		after, err := save()
+		if err != nil {
+			return err
+		}
+		for _, c := range []string{nf.ChainServices, bucket} {
+			if !slices.Equal(after[c], before[c]) {
+				return fmt.Errorf("%s after the periodic sync:\n%s\nwant back:\n%s", c, strings.Join(after[c], "\n"), strings.Join(before[c], "\n"))
+			}
 		}
 		out, err := exec.Command("iptables", "-t", "nat", "-S", "PREROUTING").Output()
 		if err != nil || !strings.Contains(string(out), "-j "+nf.ChainServices) {
@@ -328,14 +315,18 @@ func TestPeriodicRepairsDrift(t *testing.T) {
 	})
 }
 
-// apply writes plan the way the commit stage does, in the current network
-// namespace.
-func apply(plan *bus.Plan) error {
-	rules, err := nf.NewRules(bus.IPv4)
-	if err != nil {
-		return err
-	}
-	s := NewStage(bus.IPv4, false, bus.NewMailbox[*bus.Plan](), Outputs{}, bus.NewBoard(),
-		bus.NewMetrics(prometheus.NewRegistry()), slog.New(slog.DiscardHandler))
-	return s.apply(context.Background(), rules, plan)
+// realStage is a commit stage that writes into the real iptables of the current
+// network namespace.
+func realStage() *Stage { return testStage(nf.Tool{Family: bus.IPv4}) }
+
+// testStage is a commit stage of IPv4 over kernel, with fresh mailboxes and ledger.
+func testStage(kernel Kernel) *Stage {
+	return NewStage(bus.IPv4, false, bus.NewMailbox[*bus.Plan](), Outputs{
+		Results: bus.NewMailbox[bus.Result](), Resend: bus.NewFlag(),
+		Flows: bus.NewMergingMailbox(bus.MergeStaleFlows), HealthChecks: bus.NewMergingMailbox(bus.MergeHealthCheckUpdates),
+	}, NewLedger(), kernel, bus.NewBoard(), bus.NewMetrics(prometheus.NewRegistry()), slog.New(slog.DiscardHandler))
 }
+
+// apply writes plan into the current network namespace with a new commit stage
+// (an empty ledger: the plan is written as a full sync).
+func apply(plan *bus.Plan) error { return realStage().apply(context.Background(), plan) }

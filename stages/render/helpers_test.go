@@ -76,10 +76,10 @@ func node() *bus.Node {
 func payload(p *bus.Plan) string {
 	var b strings.Builder
 	for _, tp := range p.Tables {
-		if len(tp.Chains) == 0 && len(tp.Delete) == 0 {
+		if len(tp.Chains) == 0 {
 			continue
 		}
-		b.Write(nf.Assemble(tp.Table, tp.Chains, tp.Delete))
+		b.Write(nf.Assemble(tp.Table, tp.Chains, nil))
 	}
 	return b.String()
 }
@@ -132,7 +132,7 @@ func checkConsistent(t *testing.T, p *bus.Plan) {
 		var rules strings.Builder
 		for _, c := range tp.Chains {
 			declared[c.Name] = true
-			rules.Write(c.Rules)
+			rules.WriteString(c.Rules)
 		}
 		for _, line := range strings.Split(rules.String(), "\n") {
 			if line == "" {

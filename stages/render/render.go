@@ -10,7 +10,6 @@ import (
 	"strings"
 
 	"github.com/kpipe/kpipe/bus"
-	nf "github.com/kpipe/kpipe/netfilter"
 )
 
 // Local-traffic detection modes (--detect-local-mode).
@@ -80,10 +79,11 @@ func NewRenderer(cfg Config) *Renderer {
 
 // Render computes the plan for snap.
 func (rr *Renderer) Render(snap *bus.Snapshot) *bus.Plan {
-	if snap.State.Node != rr.node {
+	if !sameNode(snap.State.Node, rr.node) {
 		// Zone, pod CIDRs and node IPs shape every service's rules.
-		rr.node, rr.cache = snap.State.Node, map[bus.ServiceKey]*cachedService{}
+		rr.cache = map[bus.ServiceKey]*cachedService{}
 	}
+	rr.node = snap.State.Node
 	r := newRenderer(rr.cfg, snap)
 	r.writeFixedChains()
 	seen := make(map[bus.ServiceKey]bool, len(snap.State.Services))
@@ -111,6 +111,15 @@ func (rr *Renderer) Render(snap *bus.Snapshot) *bus.Plan {
 	r.writeBuckets()
 	r.writeNodePortsTail()
 	return r.plan()
+}
+
+// sameNode says whether two Node values shape service rules alike: watch sends
+// a new value on every status update, and most change nothing kpipe uses.
+func sameNode(a, b *bus.Node) bool {
+	if a == nil || b == nil {
+		return a == b
+	}
+	return a.Zone == b.Zone && slices.Equal(a.Addrs, b.Addrs) && slices.Equal(a.PodCIDRs, b.PodCIDRs)
 }
 
 func sliceList(m map[string]*bus.EndpointSlice) []*bus.EndpointSlice {
@@ -165,46 +174,21 @@ func sortedServiceKeys(m map[bus.ServiceKey]*bus.Service) []bus.ServiceKey {
 	return keys
 }
 
-// plan hashes every chain and keeps only those that differ from what was committed.
+// plan lists every chain with its hash, in the order render wrote them.
 func (r *renderer) plan() *bus.Plan {
 	p := &bus.Plan{
 		Family: r.cfg.Family, Generation: r.snap.Generation, QueuedAt: r.snap.QueuedAt,
-		Full:             r.snap.Full || r.snap.Committed == nil,
-		Refresh:          r.snap.Refresh,
-		Programmed:       &bus.Programmed{Chains: map[string]uint64{}, UDP: r.udp},
+		Full: r.snap.Full, Refresh: r.snap.Refresh, UDP: r.udp,
 		HealthChecks:     bus.HealthChecks{Family: r.cfg.Family, Services: r.checks},
 		NoLocalEndpoints: r.noLocal,
 	}
-	var committed map[string]uint64
-	if r.snap.Committed != nil {
-		committed = r.snap.Committed.Chains
-	}
-	// nat before filter: when a service gets its first endpoints, its DNAT is in
-	// place before its REJECT goes, so no connection falls between the two.
 	for _, t := range []*table{r.nat, r.filter} {
-		tp := bus.TablePayload{Table: t.name}
-		for _, chain := range t.order {
-			key := t.name + "/" + chain
-			c := t.chains[chain]
-			sum := c.sum()
-			p.Programmed.Chains[key] = sum
+		tp := bus.TablePayload{Table: t.name, Chains: make([]bus.Chain, 0, len(t.order))}
+		for _, name := range t.order {
+			c := t.chains[name]
 			tp.RuleCount += c.count
-			if !p.Full && !(p.Refresh && !nf.IsOwned(chain)) {
-				if old, ok := committed[key]; ok && old == sum {
-					continue
-				}
-			}
-			tp.Chains = append(tp.Chains, bus.Chain{Name: chain, Rules: []byte(c.b.String())})
+			tp.Chains = append(tp.Chains, bus.Chain{Name: name, Rules: c.b.String(), Hash: c.sum()})
 		}
-		for key := range committed {
-			table, chain, _ := strings.Cut(key, "/")
-			if table == t.name && nf.IsOwned(chain) {
-				if _, ok := p.Programmed.Chains[key]; !ok {
-					tp.Delete = append(tp.Delete, chain)
-				}
-			}
-		}
-		slices.Sort(tp.Delete)
 		p.Tables = append(p.Tables, tp)
 	}
 	return p

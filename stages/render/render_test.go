@@ -119,57 +119,6 @@ func withAddrs(st bus.State, addrs ...string) bus.State {
 	return st
 }
 
-// TestPartialSync: after a commit, a changed endpoint rewrites only its service's
-// chain; a deleted service deletes its chains and rewrites KUBE-SERVICES.
-func TestPartialSync(t *testing.T) {
-	a := svc("ns", "a", "10.96.0.1", port("http", bus.TCP, 80))
-	b := svc("ns", "b", "10.96.0.2", port("http", bus.TCP, 80))
-	aEPs := slice(a, "a-1", []bus.EndpointPort{eport("http", bus.TCP, 8080)}, ep("10.244.1.5", testNode))
-	bEPs := slice(b, "b-1", []bus.EndpointPort{eport("http", bus.TCP, 8080)}, ep("10.244.1.6", testNode))
-	cfg := baseConfig()
-	first := Render(cfg, full(state(node(), a, b, aEPs, bEPs)))
-
-	bMore := slice(b, "b-1", []bus.EndpointPort{eport("http", bus.TCP, 8080)}, ep("10.244.1.6", testNode), ep("10.244.1.7", testNode))
-	second := Render(cfg, &bus.Snapshot{Generation: 2, State: state(node(), a, b, aEPs, bMore), Committed: first.Programmed})
-	if second.Full {
-		t.Fatal("second plan is full")
-	}
-	bChain := nf.ServiceChain(nf.PrefixService, b.PortName(b.Ports[0]))
-	sep6, sep7 := nf.EndpointName(b.PortName(b.Ports[0]), "10.244.1.6:8080"), nf.EndpointName(b.PortName(b.Ports[0]), "10.244.1.7:8080")
-	if got := declared(second, "nat"); !slices.Equal(got, []string{bChain, sep7}) {
-		t.Errorf("nat chains rewritten = %v, want only %s and the new local endpoint's %s", got, bChain, sep7)
-	}
-	if got := declared(second, "filter"); len(got) != 0 {
-		t.Errorf("filter chains rewritten = %v, want none", got)
-	}
-	if !strings.Contains(payload(second), "10.244.1.7:8080") {
-		t.Errorf("new endpoint missing from partial payload:\n%s", payload(second))
-	}
-
-	third := Render(cfg, &bus.Snapshot{Generation: 3, State: state(node(), a, aEPs), Committed: second.Programmed})
-	nat := tableOf(third, "nat")
-	wantDeleted := []string{bChain, sep6, sep7}
-	slices.Sort(wantDeleted)
-	if !slices.Equal(nat.Delete, wantDeleted) {
-		t.Errorf("deleted chains = %v, want %v", nat.Delete, wantDeleted)
-	}
-	// The service's rule lives in the bucket of its address; KUBE-SERVICES itself
-	// only changes when a bucket comes or goes.
-	bucket := nf.BucketChain(nf.Bucket(b.ClusterIPs[0]))
-	if got := declared(third, "nat"); !slices.Equal(got, []string{bucket}) {
-		t.Errorf("nat chains rewritten after a delete: %v; want only the bucket %s", got, bucket)
-	}
-	if strings.Contains(payload(third), "ns/b:http cluster IP") {
-		t.Errorf("deleted service still has rules:\n%s", payload(third))
-	}
-
-	// Nothing changed: nothing to write.
-	fourth := Render(cfg, &bus.Snapshot{Generation: 4, State: state(node(), a, aEPs), Committed: third.Programmed})
-	if p := payload(fourth); p != "" {
-		t.Errorf("unchanged state wrote:\n%s", p)
-	}
-}
-
 func tableOf(p *bus.Plan, name string) bus.TablePayload {
 	for _, tp := range p.Tables {
 		if tp.Table == name {
@@ -256,32 +205,12 @@ func TestUDPFrontEnds(t *testing.T) {
 	p := Render(baseConfig(), full(state(node(), s, eps)))
 	want := []netip.AddrPort{netip.MustParseAddrPort("10.244.1.5:5353"), netip.MustParseAddrPort("10.244.2.6:5353")}
 	for _, fe := range []string{"10.96.0.10:53", "203.0.113.1:53", "0.0.0.0:30053"} {
-		if got := p.Programmed.UDP[netip.MustParseAddrPort(fe)]; !slices.Equal(got, want) {
+		if got := p.UDP[netip.MustParseAddrPort(fe)]; !slices.Equal(got, want) {
 			t.Errorf("UDP front-end %s -> %v, want %v", fe, got, want)
 		}
 	}
-	if len(p.Programmed.UDP) != 3 {
-		t.Errorf("UDP front-ends = %v, want 3", p.Programmed.UDP)
-	}
-}
-
-// TestRefreshRewritesTopLevelChains: a periodic sync rewrites kpipe's top-level
-// chains (so a rule deleted by hand comes back) but no unchanged service chain.
-func TestRefreshRewritesTopLevelChains(t *testing.T) {
-	a := svc("ns", "a", "10.96.0.1", port("http", bus.TCP, 80))
-	aEPs := slice(a, "a-1", []bus.EndpointPort{eport("http", bus.TCP, 8080)}, ep("10.244.2.5", "node-b"))
-	first := Render(baseConfig(), full(state(node(), a, aEPs)))
-	p := Render(baseConfig(), &bus.Snapshot{State: state(node(), a, aEPs), Committed: first.Programmed, Refresh: true})
-	if p.Full || !p.Refresh {
-		t.Fatalf("plan full=%v refresh=%v", p.Full, p.Refresh)
-	}
-	for _, c := range append(declared(p, "nat"), declared(p, "filter")...) {
-		if nf.IsOwned(c) {
-			t.Errorf("unchanged service chain %s rewritten by a periodic sync", c)
-		}
-	}
-	if !slices.Contains(declared(p, "nat"), nf.ChainServices) || !slices.Contains(declared(p, "filter"), nf.ChainForward) {
-		t.Errorf("top-level chains not rewritten: nat %v, filter %v", declared(p, "nat"), declared(p, "filter"))
+	if len(p.UDP) != 3 {
+		t.Errorf("UDP front-ends = %v, want 3", p.UDP)
 	}
 }
 
@@ -294,7 +223,7 @@ func TestBuckets(t *testing.T) {
 	aEPs := slice(a, "a-1", []bus.EndpointPort{eport("http", bus.TCP, 8080)}, ep("10.244.2.5", "node-b"))
 	bEPs := slice(b, "b-1", []bus.EndpointPort{eport("http", bus.TCP, 8080)}, ep("10.244.2.6", "node-b"))
 	first := Render(baseConfig(), full(state(node(), a, aEPs)))
-	second := Render(baseConfig(), &bus.Snapshot{State: state(node(), a, b, aEPs, bEPs), Committed: first.Programmed})
+	second := Render(baseConfig(), full(state(node(), a, b, aEPs, bEPs)))
 	bBucket := nf.BucketChain(nf.Bucket(b.ClusterIPs[0]))
 	if got := declared(second, "nat"); !slices.Contains(got, bBucket) || !slices.Contains(got, nf.ChainServices) {
 		t.Errorf("a service in a new /24 rewrote %v; want its bucket %s and KUBE-SERVICES", got, bBucket)
@@ -302,8 +231,7 @@ func TestBuckets(t *testing.T) {
 	if !strings.Contains(payload(second), "-A KUBE-SERVICES -m comment --comment \"services in 10.96.2.0/24\" -d 10.96.2.0/24 -j "+bBucket) {
 		t.Errorf("no dispatch to the new bucket:\n%s", payload(second))
 	}
-	third := Render(baseConfig(), &bus.Snapshot{State: state(node(), a, aEPs), Committed: second.Programmed})
-	if !slices.Contains(tableOf(third, "nat").Delete, bBucket) {
-		t.Errorf("empty bucket %s not deleted: %v", bBucket, tableOf(third, "nat").Delete)
+	if got := declared(first, "nat"); slices.Contains(got, bBucket) {
+		t.Errorf("bucket %s exists without a service in it: %v", bBucket, got)
 	}
 }

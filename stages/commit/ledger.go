@@ -1,0 +1,143 @@
+package commit
+
+import (
+	"hash/fnv"
+	"net/netip"
+	"strings"
+
+	"github.com/kpipe/kpipe/bus"
+	nf "github.com/kpipe/kpipe/netfilter"
+)
+
+// Ledger is commit's record of what it left in the kernel, so that a plan is
+// written as the difference from the kernel, not from the last plan that was
+// acknowledged. It outlives the commit stage (serve makes it): a commit killed in
+// the middle of a write leaves those chains "in doubt", and the restarted stage
+// rewrites them (or deletes them, if they are no longer wanted), whatever the
+// plan it was writing did to them. One commit Run uses it at a time.
+type Ledger struct {
+	// synced: a full sync completed since the ledger was made, so chains
+	// describes the kernel (before it, every plan is written as a full sync).
+	synced bool
+	chains map[string]known // by "table/chain"
+	unsure map[string]bool  // a write to these began and was not confirmed
+	// udp is the UDP front-end map of the last successful commit (haveUDP), for
+	// the conntrack stage.
+	udp     map[netip.AddrPort][]netip.AddrPort
+	haveUDP bool
+}
+
+// known is what kpipe last wrote to one chain.
+type known struct {
+	hash uint64 // render's hash of the rules written
+	// listed is the hash of the chain as the kernel lists it, read back after the
+	// write (0: not read), to notice later changes made behind kpipe's back.
+	listed uint64
+	// rules are kept for filter chains: during a write, their old REJECT and DROP
+	// rules stay until the nat table has moved (see writes.steps).
+	rules string
+}
+
+// NewLedger makes an empty ledger: the first plan is written as a full sync.
+func NewLedger() *Ledger {
+	return &Ledger{chains: map[string]known{}, unsure: map[string]bool{}}
+}
+
+func key(table, chain string) string { return table + "/" + chain }
+
+// reset forgets what the ledger knew, for a full sync, which rewrites everything.
+func (l *Ledger) reset() {
+	l.synced = false
+	l.chains = map[string]known{}
+	l.unsure = map[string]bool{}
+}
+
+// differs says whether c must be written: kpipe never wrote it, wrote other
+// rules, or a write to it may have been cut short.
+func (l *Ledger) differs(table string, c bus.Chain) bool {
+	k := key(table, c.Name)
+	old, ok := l.chains[k]
+	return !ok || old.hash != c.Hash || l.unsure[k]
+}
+
+// unwanted lists the per-service chains of table that kpipe wrote (or may have
+// written) and the plan does not have.
+func (l *Ledger) unwanted(table string, wanted map[string]bool) []string {
+	var out []string
+	seen := map[string]bool{}
+	for _, m := range []map[string]bool{l.unsure, keysOf(l.chains)} {
+		for k := range m {
+			t, chain, _ := strings.Cut(k, "/")
+			if t == table && nf.IsOwned(chain) && !wanted[chain] && !seen[chain] {
+				seen[chain] = true
+				out = append(out, chain)
+			}
+		}
+	}
+	sortForDelete(out)
+	return out
+}
+
+func keysOf(m map[string]known) map[string]bool {
+	out := make(map[string]bool, len(m))
+	for k := range m {
+		out[k] = true
+	}
+	return out
+}
+
+// doubt marks an operation's chain as possibly half-written.
+func (l *Ledger) doubt(o op) { l.unsure[key(o.table, o.chain)] = true }
+
+// confirm records an operation the kernel has taken.
+func (l *Ledger) confirm(o op) {
+	k := key(o.table, o.chain)
+	delete(l.unsure, k)
+	if o.deleted {
+		delete(l.chains, k)
+		return
+	}
+	kn := known{hash: o.hash}
+	if o.table == nf.TableFilter {
+		kn.rules = o.rules
+	}
+	l.chains[k] = kn
+}
+
+// oldRules are the rules kpipe last wrote to a chain, if it keeps them.
+func (l *Ledger) oldRules(table, chain string) (string, bool) {
+	k := key(table, chain)
+	old, ok := l.chains[k]
+	if !ok || l.unsure[k] {
+		return "", false
+	}
+	return old.rules, true
+}
+
+// sawKernel records how the kernel lists a chain kpipe just wrote.
+func (l *Ledger) sawKernel(table, chain string, rules []string) {
+	k := key(table, chain)
+	if kn, ok := l.chains[k]; ok {
+		kn.listed = listingHash(rules)
+		l.chains[k] = kn
+	}
+}
+
+// matches says whether the kernel's listing of a chain is what kpipe read back
+// after writing it.
+func (l *Ledger) matches(table, chain string, rules []string) bool {
+	kn, ok := l.chains[key(table, chain)]
+	return ok && kn.listed != 0 && kn.listed == listingHash(rules)
+}
+
+func listingHash(rules []string) uint64 {
+	h := fnv.New64a()
+	for _, r := range rules {
+		h.Write([]byte(r))
+		h.Write([]byte{'\n'})
+	}
+	if s := h.Sum64(); s != 0 {
+		return s
+	}
+	return 1 // 0 means "not read"
+}

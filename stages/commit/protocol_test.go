@@ -1,0 +1,485 @@
+package commit
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"maps"
+	"net/netip"
+	"slices"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/kpipe/kpipe/bus"
+	nf "github.com/kpipe/kpipe/netfilter"
+	"github.com/kpipe/kpipe/stages/render"
+)
+
+var fakeConfig = render.Config{Family: bus.IPv4, NodeName: "node-a", MasqueradeBit: 14, DetectLocal: render.DetectClusterCIDR,
+	ClusterCIDRs: []netip.Prefix{netip.MustParsePrefix("10.128.0.0/9")}}
+
+func planOf(st bus.State, gen uint64, full bool) *bus.Plan {
+	return render.Render(fakeConfig, &bus.Snapshot{Generation: gen, State: st, Full: full})
+}
+
+// freshKernel is what a kpipe that never ran before writes for st.
+func freshKernel(t *testing.T, st bus.State) string {
+	t.Helper()
+	k := newFakeKernel()
+	if err := testStage(k).apply(context.Background(), planOf(st, 1, true)); err != nil {
+		t.Fatal(err)
+	}
+	return k.dump()
+}
+
+func requireFresh(t *testing.T, k *fakeKernel, st bus.State, when string) {
+	t.Helper()
+	want, got := freshKernel(t, st), k.dump()
+	if got != want {
+		t.Fatalf("%s: the kernel is not what a fresh kpipe writes:\n%s", when, lineDiff(want, got))
+	}
+}
+
+func lineDiff(want, got string) string {
+	w, g := map[string]bool{}, map[string]bool{}
+	for _, l := range strings.Split(want, "\n") {
+		w[l] = true
+	}
+	for _, l := range strings.Split(got, "\n") {
+		g[l] = true
+	}
+	var b strings.Builder
+	for _, l := range slices.Sorted(maps.Keys(w)) {
+		if !g[l] {
+			b.WriteString("- " + l + "\n")
+		}
+	}
+	for _, l := range slices.Sorted(maps.Keys(g)) {
+		if !w[l] {
+			b.WriteString("+ " + l + "\n")
+		}
+	}
+	return b.String()
+}
+
+// with returns st with services changed: extra services added (by index into a
+// synthetic state), some removed, and one service's endpoints cut to one.
+func with(st bus.State, add []int, remove []string, shrink string) bus.State {
+	out := st
+	out.Services, out.Slices = maps.Clone(st.Services), maps.Clone(st.Slices)
+	extra := render.SyntheticState(300, 2)
+	for _, i := range add {
+		k := bus.ServiceKey{Namespace: fmt.Sprintf("ns%d", i%100), Name: fmt.Sprintf("svc%d", i)}
+		out.Services[k], out.Slices[k] = extra.Services[k], extra.Slices[k]
+	}
+	for _, name := range remove {
+		for k := range out.Services {
+			if k.Name == name {
+				delete(out.Services, k)
+				delete(out.Slices, k)
+			}
+		}
+	}
+	for k, sls := range out.Slices {
+		if k.Name != shrink {
+			continue
+		}
+		inner := map[string]*bus.EndpointSlice{}
+		for n, sl := range sls {
+			c := *sl
+			c.Items = c.Items[:1]
+			inner[n] = &c
+		}
+		out.Slices[k] = inner
+	}
+	return out
+}
+
+// TestRestartAfterALostWrite: commit is killed after the kernel took a plan but
+// before it could answer; coalesce sends the state again, which by then went back
+// to what it was. The restarted commit must undo the lost plan: chains it created
+// deleted, chains it changed (and that changed back) rewritten. Before the ledger,
+// the resend was diffed against the last acknowledged commit, which equals the new
+// state, so nothing was written and the lost plan's rules stayed for an hour.
+func TestRestartAfterALostWrite(t *testing.T) {
+	k := newFakeKernel()
+	ledger := NewLedger()
+	base := render.SyntheticState(20, 2)
+	first := testStage(k)
+	first.ledger = ledger
+	if err := first.apply(context.Background(), planOf(base, 1, true)); err != nil {
+		t.Fatal(err)
+	}
+	k.stallAfter = func(n int) bool { return true }
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	lost := with(base, []int{100, 101}, []string{"svc3"}, "svc5")
+	go func() { done <- first.apply(ctx, planOf(lost, 2, false)) }()
+	time.Sleep(50 * time.Millisecond)
+	cancel() // the supervisor kills commit while the kernel already holds plan 2
+	if err := <-done; err == nil {
+		t.Fatal("apply returned nil after its context was cancelled mid-write")
+	}
+	k.stallAfter = nil
+
+	restarted := testStage(k)
+	restarted.ledger = ledger
+	if err := restarted.apply(context.Background(), planOf(base, 3, false)); err != nil {
+		t.Fatal(err)
+	}
+	requireFresh(t, k, base, "after the restarted commit wrote the resent state")
+}
+
+// TestBatchCutShort: a large plan written in several restores fails in the
+// middle. The next (partial) plan must still leave exactly the fresh rules.
+func TestBatchCutShort(t *testing.T) {
+	k := newFakeKernel()
+	s := testStage(k)
+	base := render.SyntheticState(20, 2)
+	if err := s.apply(context.Background(), planOf(base, 1, true)); err != nil {
+		t.Fatal(err)
+	}
+	big := largeState(maxChainsPerRestore/2 + 200)
+	calls := 0
+	k.beforeRestore = func(int, string) error {
+		if calls++; calls == 2 {
+			return errors.New("injected: restore failed")
+		}
+		return nil
+	}
+	if err := s.apply(context.Background(), planOf(big, 2, false)); err == nil {
+		t.Fatal("the injected failure did not fail the commit")
+	}
+	k.beforeRestore = nil
+	if err := s.apply(context.Background(), planOf(base, 3, false)); err != nil {
+		t.Fatal(err)
+	}
+	requireFresh(t, k, base, "after a batched write was cut short and the next plan went back")
+}
+
+// TestPartialSyncWritesOnlyWhatChanged: after a commit, a changed endpoint
+// rewrites only its service's chain; a deleted service deletes its chains.
+func TestPartialSyncWritesOnlyWhatChanged(t *testing.T) {
+	k := newFakeKernel()
+	s := testStage(k)
+	base := render.SyntheticState(20, 2)
+	if err := s.apply(context.Background(), planOf(base, 1, true)); err != nil {
+		t.Fatal(err)
+	}
+	k.payloads = nil
+	shrunk := with(base, nil, nil, "svc5")
+	if err := s.apply(context.Background(), planOf(shrunk, 2, false)); err != nil {
+		t.Fatal(err)
+	}
+	if len(k.payloads) != 1 {
+		t.Fatalf("%d restores for one changed service; want 1", len(k.payloads))
+	}
+	declared := regexpDeclared(k.payloads[0])
+	key := bus.ServiceKey{Namespace: "ns5", Name: "svc5"}
+	svc := shrunk.Services[key]
+	want := []string{nf.ServiceChain(nf.PrefixService, svc.PortName(svc.Ports[0])), nf.ServiceChain(nf.PrefixService, svc.PortName(svc.Ports[1]))}
+	slices.Sort(want)
+	if !slices.Equal(declared, want) {
+		t.Errorf("rewrote %v; want only the changed service's chains %v", declared, want)
+	}
+	requireFresh(t, k, shrunk, "after the partial sync")
+
+	k.payloads = nil
+	gone := with(shrunk, nil, []string{"svc5"}, "")
+	if err := s.apply(context.Background(), planOf(gone, 3, false)); err != nil {
+		t.Fatal(err)
+	}
+	requireFresh(t, k, gone, "after a service was deleted")
+	k.payloads = nil
+	if err := s.apply(context.Background(), planOf(gone, 4, false)); err != nil {
+		t.Fatal(err)
+	}
+	if len(k.payloads) != 0 {
+		t.Errorf("an unchanged state wrote:\n%s", k.payloads)
+	}
+}
+
+func regexpDeclared(payload string) []string {
+	var out []string
+	for _, l := range strings.Split(payload, "\n") {
+		if strings.HasPrefix(l, ":") {
+			name, _, _ := strings.Cut(l[1:], " ")
+			out = append(out, name)
+		}
+	}
+	slices.Sort(out)
+	return out
+}
+
+// TestRefreshRepairsChangedContent: a periodic sync notices a top-level chain and
+// a bucket whose rules were changed by hand without changing their number (the
+// old check compared rule counts only), and rewrites them, and nothing else.
+func TestRefreshRepairsChangedContent(t *testing.T) {
+	k := newFakeKernel()
+	s := testStage(k)
+	st := render.SyntheticState(20, 2)
+	if err := s.apply(context.Background(), planOf(st, 1, true)); err != nil {
+		t.Fatal(err)
+	}
+	bucket := nf.BucketChain(nf.Bucket(st.Services[bus.ServiceKey{Namespace: "ns0", Name: "svc0"}].ClusterIPs[0]))
+	k.mu.Lock()
+	k.tables[nf.TableNAT][bucket][0] = "-A " + bucket + " -d 10.96.0.0/32 -j " + nf.ChainMarkMasq
+	k.tables[nf.TableNAT][nf.ChainNodePorts] = append(k.tables[nf.TableNAT][nf.ChainNodePorts], "-A "+nf.ChainNodePorts+" -j "+nf.ChainMarkMasq)
+	k.tables[nf.TableFilter][nf.ChainForward][0] = "-A " + nf.ChainForward + " -j ACCEPT"
+	k.mu.Unlock()
+	k.payloads = nil
+	if err := s.apply(context.Background(), render.Render(fakeConfig, &bus.Snapshot{Generation: 2, State: st, Refresh: true})); err != nil {
+		t.Fatal(err)
+	}
+	requireFresh(t, k, st, "after the periodic sync")
+	if got, want := regexpDeclared(strings.Join(k.payloads, "")), []string{bucket, nf.ChainForward, nf.ChainNodePorts}; !slices.Equal(got, sorted(want)) {
+		t.Errorf("periodic sync rewrote %v; want only the tampered %v", got, sorted(want))
+	}
+}
+
+func sorted(s []string) []string { slices.Sort(s); return s }
+
+// TestStaleChainsDeletedInBatchesAfterTheSwitch: taking over a node kube-proxy
+// programmed (a KUBE-SEP- chain per endpoint) deletes its chains a batch at a
+// time, referrers first, and only after kpipe's own rules are in place.
+func TestStaleChainsDeletedInBatchesAfterTheSwitch(t *testing.T) {
+	k := newFakeKernel()
+	// kube-proxy's leftovers: 1500 services with 6 endpoint chains each.
+	nat := k.tables[nf.TableNAT]
+	nat[nf.ChainMarkMasq] = nil
+	for i := range 1500 {
+		svc := fmt.Sprintf("%sOLD%013d", nf.PrefixService, i)
+		nat[svc] = nil
+		for j := range 6 {
+			sep := fmt.Sprintf("%sOLD%010d%03d", nf.PrefixEndpoint, i, j)
+			nat[sep] = []string{"-A " + sep + " -j " + nf.ChainMarkMasq}
+			nat[svc] = append(nat[svc], "-A "+svc+" -j "+sep)
+		}
+	}
+	st := render.SyntheticState(20, 2)
+	deletes, topWritten := []int{}, -1
+	k.beforeRestore = func(n int, payload string) error {
+		if strings.Contains(payload, ":"+nf.ChainServices+" ") {
+			topWritten = n
+		}
+		if c := strings.Count(payload, "\n-X "); c > 0 {
+			deletes = append(deletes, c)
+			if topWritten < 0 {
+				t.Errorf("restore %d deletes chains before the top-level chains were written", n)
+			}
+		}
+		return nil
+	}
+	if err := testStage(k).apply(context.Background(), planOf(st, 1, true)); err != nil {
+		t.Fatal(err)
+	}
+	for _, n := range deletes {
+		if n > maxChainsPerRestore {
+			t.Errorf("one restore deletes %d chains; want at most %d", n, maxChainsPerRestore)
+		}
+	}
+	if len(deletes) < 2 {
+		t.Errorf("deletes in %d restores (%v); want them batched", len(deletes), deletes)
+	}
+	requireFresh(t, k, st, "after taking over")
+}
+
+// TestBatchedSyncNeverLeavesAGap: during a full sync big enough to be batched, a
+// service that lost its endpoints is never without both its DNAT and its REJECT,
+// and a new load balancer's KUBE-FW- chain is never reachable before the
+// KUBE-PROXY-FIREWALL DROP it relies on; nor a removed one's after the DROP went.
+func TestBatchedSyncNeverLeavesAGap(t *testing.T) {
+	k := newFakeKernel()
+	s := testStage(k)
+	before := largeState(maxChainsPerRestore/2 + 200)
+	var losing, newLB, oldLB *bus.Service
+	for _, svc := range before.Services {
+		switch {
+		case losing == nil && len(svc.LoadBalancerIPs) == 0:
+			losing = svc
+		case oldLB == nil && len(svc.LoadBalancerSourceRanges) > 0:
+			oldLB = svc
+		case newLB == nil && len(svc.LoadBalancerIPs) == 0 && svc != losing:
+			newLB = svc
+		}
+	}
+	if err := s.apply(context.Background(), planOf(before, 1, true)); err != nil {
+		t.Fatal(err)
+	}
+	after := before
+	after.Services, after.Slices = maps.Clone(before.Services), maps.Clone(before.Slices)
+	delete(after.Slices, losing.ServiceKey)
+	lb := *newLB
+	lb.LoadBalancerIPs = []netip.Addr{netip.MustParseAddr("192.0.2.77")}
+	lb.LoadBalancerSourceRanges = []netip.Prefix{netip.MustParsePrefix("203.0.113.0/24")}
+	after.Services[lb.ServiceKey] = &lb
+	oldCopy := *oldLB
+	oldCopy.LoadBalancerSourceRanges = nil
+	after.Services[oldLB.ServiceKey] = &oldCopy
+
+	losingIP := losing.ClusterIPs[0].String() + "/32"
+	newFW := nf.ServiceChain(nf.PrefixFirewall, lb.PortName(lb.Ports[0]))
+	oldFW := nf.ServiceChain(nf.PrefixFirewall, oldLB.PortName(oldLB.Ports[0]))
+	state := map[string]map[string][]string{}
+	gaps := 0
+	k.observe = func(table string, chains map[string][]string) {
+		state[table] = chains
+		nat, filter := state[nf.TableNAT], state[nf.TableFilter]
+		if nat == nil || filter == nil {
+			return
+		}
+		dnat := anyRule(nat, func(r string) bool {
+			return strings.Contains(r, "-d "+losingIP) && strings.Contains(r, "-j "+nf.PrefixService)
+		})
+		reject := anyRule(filter, func(r string) bool { return strings.Contains(r, "-d "+losingIP) && strings.HasSuffix(r, "-j REJECT") })
+		if !dnat && !reject {
+			gaps++
+			t.Errorf("after transaction %d (%s): %s has neither its DNAT nor its REJECT", k.blocks, table, losingIP)
+		}
+		for _, fw := range []struct {
+			chain string
+			ip    netip.Addr
+		}{{newFW, lb.LoadBalancerIPs[0]}, {oldFW, oldLB.LoadBalancerIPs[0]}} {
+			reached := anyRule(nat, func(r string) bool { return strings.HasSuffix(r, "-j "+fw.chain) })
+			drop := anyRule(filter, func(r string) bool {
+				return strings.Contains(r, "-d "+fw.ip.String()+"/32") && strings.HasSuffix(r, "-j DROP")
+			})
+			if reached && !drop {
+				gaps++
+				t.Errorf("after transaction %d (%s): %s is reachable but KUBE-PROXY-FIREWALL has no DROP for %s", k.blocks, table, fw.chain, fw.ip)
+			}
+		}
+	}
+	state[nf.TableNAT], _ = k.Save(context.Background(), nf.TableNAT)
+	state[nf.TableFilter], _ = k.Save(context.Background(), nf.TableFilter)
+	if err := s.apply(context.Background(), planOf(after, 2, true)); err != nil {
+		t.Fatal(err)
+	}
+	if k.restores < 3 {
+		t.Fatalf("the full sync took %d restores; the test needs a batched one", k.restores)
+	}
+	requireFresh(t, k, after, "after the batched full sync")
+}
+
+func anyRule(chains map[string][]string, f func(string) bool) bool {
+	for _, rules := range chains {
+		for _, r := range rules {
+			if f(r) {
+				return true
+			}
+		}
+	}
+	return false
+}
+
+// TestRouteLocalnetAfterTheFirewall: route_localnet opens 127.0.0.0/8 to the
+// network (CVE-2020-8558) unless KUBE-FIREWALL drops what it must: commit sets it
+// only once the rule and the jumps into it are in the kernel.
+func TestRouteLocalnetAfterTheFirewall(t *testing.T) {
+	k := newFakeKernel()
+	s := testStage(k)
+	s.localnetFirewall = true
+	cfg := fakeConfig
+	cfg.LocalhostNodePorts = true
+	k.beforeRestore = func(int, string) error { return errors.New("injected: iptables broken") }
+	plan := render.Render(cfg, &bus.Snapshot{Generation: 1, State: render.SyntheticState(3, 1), Full: true})
+	if err := s.apply(context.Background(), plan); err == nil {
+		t.Fatal("injected failure did not fail the commit")
+	}
+	if slices.ContainsFunc(k.events, func(e string) bool { return strings.HasPrefix(e, "sysctl") }) {
+		t.Fatalf("route_localnet set although the firewall rule could not be written: %v", k.events)
+	}
+	k.beforeRestore = nil
+	if err := s.apply(context.Background(), plan); err != nil {
+		t.Fatal(err)
+	}
+	i := slices.Index(k.events, "sysctl net/ipv4/conf/all/route_localnet=1")
+	j := slices.Index(k.events, "jumps")
+	if i < 0 || j < 0 || i < j {
+		t.Fatalf("events %v; want the jumps ensured, then route_localnet set", k.events)
+	}
+	if !anyRule(map[string][]string{"": k.tables[nf.TableFilter][nf.ChainLocalnetFirewall]}, func(r string) bool { return strings.HasSuffix(r, "-j DROP") }) {
+		t.Error("no localnet DROP rule in KUBE-FIREWALL")
+	}
+}
+
+// runStage runs s until stop is called, as the supervisor runs it.
+func runStage(t *testing.T, s *Stage) (stop func()) {
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- s.Run(ctx) }()
+	return sync.OnceFunc(func() {
+		cancel()
+		if err := <-done; err != nil {
+			t.Errorf("Run: %v", err)
+		}
+	})
+}
+
+func take[T any](t *testing.T, m *bus.Mailbox[T], what string) T {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	v, err := m.Take(ctx)
+	if err != nil {
+		t.Fatalf("no %s: %v", what, err)
+	}
+	return v
+}
+
+// TestRunProtocol: what commit sends after each plan. A failed restore answers
+// with the plan's generation and no health checks; a success answers OK, then
+// forwards the health checks; stale flows only when UDP front-ends changed; a
+// restarted commit asks for the state again and still knows the UDP front-ends
+// the kernel has, so flows to a UDP service deleted across the restart are
+// cleared.
+func TestRunProtocol(t *testing.T) {
+	k := newFakeKernel()
+	s := testStage(k)
+	out := s.out
+	stop := runStage(t, s)
+	defer stop()
+	select {
+	case <-out.Resend.C():
+	case <-time.After(5 * time.Second):
+		t.Error("commit did not ask for a resend at start")
+	}
+	st := render.SyntheticState(5, 1)
+	k.beforeRestore = func(int, string) error { return errors.New("injected: restore failed") }
+	s.in.Put(planOf(st, 7, true))
+	if r := take(t, out.Results, "result"); r.OK || r.Generation != 7 || r.Err == nil {
+		t.Fatalf("result of a failed restore = %+v; want not OK, generation 7, an error", r)
+	}
+	if _, ok := out.HealthChecks.TryTake(); ok {
+		t.Error("health checks forwarded for a plan that failed")
+	}
+	k.beforeRestore = nil
+	s.in.Put(planOf(st, 8, true))
+	if r := take(t, out.Results, "result"); !r.OK || r.Generation != 8 || !r.Full {
+		t.Fatalf("result = %+v; want OK full generation 8", r)
+	}
+	take(t, out.HealthChecks, "health checks")
+	first := take(t, out.Flows, "stale flows")
+	if len(first.Now) != 5 {
+		t.Errorf("first commit's flows name %d UDP front-ends; want 5", len(first.Now))
+	}
+	s.in.Put(planOf(st, 9, false))
+	take(t, out.Results, "result")
+	if f, ok := out.Flows.TryTake(); ok {
+		t.Errorf("stale flows %+v after a commit that changed no UDP front-end", f)
+	}
+
+	// A restart: the supervisor stops Run and starts it again; the ledger and the
+	// mailboxes outlive it.
+	stop()
+	stop = runStage(t, s)
+	gone := with(st, nil, []string{"svc2"}, "")
+	s.in.Put(planOf(gone, 10, false))
+	take(t, out.Results, "result")
+	flows := take(t, out.Flows, "stale flows after the restart")
+	if len(flows.Gone) != 1 {
+		t.Errorf("after a restart, a deleted UDP service's front-end is not gone: %+v", flows.Gone)
+	}
+}

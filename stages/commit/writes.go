@@ -1,0 +1,198 @@
+package commit
+
+import (
+	"bytes"
+	"hash/fnv"
+	"slices"
+	"strings"
+
+	"github.com/kpipe/kpipe/bus"
+	nf "github.com/kpipe/kpipe/netfilter"
+)
+
+// tableWrites is what one plan changes in one table.
+type tableWrites struct {
+	table  string
+	write  []bus.Chain // in write order
+	delete []string    // per-service chains kpipe wrote and the plan dropped
+	stale  []string    // per-service chains in the kernel that a full plan does not have
+}
+
+// writes is what one plan changes, per table.
+type writes struct{ tables []tableWrites }
+
+func (w writes) of(table string) tableWrites {
+	for _, tw := range w.tables {
+		if tw.table == table {
+			return tw
+		}
+	}
+	return tableWrites{table: table}
+}
+
+// block is one "*table ... COMMIT" section: one nf_tables transaction.
+type block struct {
+	table  string
+	write  []bus.Chain
+	delete []string
+}
+
+// step is one iptables-restore run.
+type step struct{ blocks []block }
+
+// op is one chain written or deleted, as the ledger records it.
+type op struct {
+	table, chain string
+	deleted      bool
+	hash         uint64
+	rules        string
+}
+
+func (s step) payload() []byte {
+	var b bytes.Buffer
+	for _, bl := range s.blocks {
+		b.Write(nf.Assemble(bl.table, bl.write, bl.delete))
+	}
+	return b.Bytes()
+}
+
+func (s step) ops() []op {
+	var out []op
+	for _, bl := range s.blocks {
+		for _, c := range bl.write {
+			out = append(out, op{table: bl.table, chain: c.Name, hash: c.Hash, rules: c.Rules})
+		}
+		for _, c := range bl.delete {
+			out = append(out, op{table: bl.table, chain: c, deleted: true})
+		}
+	}
+	return out
+}
+
+func (b block) size() int { return len(b.write) + len(b.delete) }
+
+// steps orders a plan's writes into iptables-restore runs so that no packet meets
+// a state that neither the old nor the new rules would give it:
+//
+//  1. The filter chains first get the new REJECT and DROP rules while keeping the
+//     old ones ("guards"): a service that lost its endpoints is rejected before
+//     its DNAT goes, and a new load balancer's source-range DROP is in place
+//     before the KUBE-FW- chain that relies on it. An old guard is harmless while
+//     it stays: traffic the nat table DNATs no longer matches it.
+//  2. nat: per-service chains in dependency order (each after the chains it
+//     jumps to), then the top-level chains that make them reachable, then the
+//     chains the plan dropped.
+//  3. filter: the final rules, dropping the old guards.
+//  4. A full sync's stale chains, a batch at a time, referrers first: taking over
+//     from kube-proxy can mean 10^5 of them, which must not hold up the switch.
+//
+// A small plan is one run (each table section is its own transaction); a large
+// one is split into runs of at most maxChainsPerRestore chains.
+func (w writes) steps(l *Ledger) []step {
+	nat, filter := w.of(nf.TableNAT), w.of(nf.TableFilter)
+	var guards []bus.Chain
+	filterLast := filter.write
+	if len(nat.write)+len(nat.delete) > 0 {
+		guards, filterLast = guardChains(l, filter.write)
+	}
+	services, top := splitChains(nat.write)
+	first := block{table: nf.TableFilter, write: guards}
+	last := []block{
+		{table: nf.TableNAT, write: top, delete: nat.delete},
+		{table: nf.TableFilter, write: filterLast, delete: filter.delete},
+	}
+	var out []step
+	if len(guards)+len(nat.write)+len(nat.delete)+len(filter.write)+len(filter.delete) <= maxChainsPerRestore {
+		// One run: each table section is still its own transaction, in this order.
+		out = append(out, step{blocks: []block{first, {table: nf.TableNAT, write: append(services, top...), delete: nat.delete}, last[1]}})
+	} else {
+		out = append(out, step{blocks: []block{first}})
+		for len(services) > 0 {
+			n := min(len(services), maxChainsPerRestore)
+			out = append(out, step{blocks: []block{{table: nf.TableNAT, write: services[:n]}}})
+			services = services[n:]
+		}
+		out = append(out, step{blocks: last})
+	}
+	for _, tw := range []tableWrites{nat, filter} {
+		stale := slices.Clone(tw.stale)
+		sortForDelete(stale)
+		for len(stale) > 0 {
+			n := min(len(stale), maxChainsPerRestore)
+			out = append(out, step{blocks: []block{{table: tw.table, delete: stale[:n]}}})
+			stale = stale[n:]
+		}
+	}
+	for i := range out {
+		out[i] = out[i].nonEmpty()
+	}
+	return slices.DeleteFunc(out, func(s step) bool { return len(s.blocks) == 0 })
+}
+
+func (s step) nonEmpty() step {
+	s.blocks = slices.DeleteFunc(s.blocks, func(b block) bool { return b.size() == 0 })
+	return s
+}
+
+// guardChains splits the filter chains about to change into what the first pass
+// writes (new rules followed by the old ones they drop, or just the new rules
+// when none are dropped) and what the last pass still has to write (the chains
+// whose first-pass version kept old rules).
+func guardChains(l *Ledger, chains []bus.Chain) (first, last []bus.Chain) {
+	for _, c := range chains {
+		old, ok := l.oldRules(nf.TableFilter, c.Name)
+		if !ok {
+			last = append(last, c)
+			continue
+		}
+		have := map[string]bool{}
+		for _, line := range strings.SplitAfter(c.Rules, "\n") {
+			have[line] = true
+		}
+		var b strings.Builder
+		b.WriteString(c.Rules)
+		for _, line := range strings.SplitAfter(old, "\n") {
+			if line != "" && !have[line] {
+				b.WriteString(line)
+			}
+		}
+		if b.Len() == len(c.Rules) {
+			first = append(first, c) // nothing old to keep: the final version goes first
+			continue
+		}
+		first = append(first, bus.Chain{Name: c.Name, Rules: b.String(), Hash: hashOf(b.String())})
+		last = append(last, c)
+	}
+	return first, last
+}
+
+func hashOf(s string) uint64 {
+	h := fnv.New64a()
+	h.Write([]byte(s))
+	return h.Sum64()
+}
+
+// splitChains separates per-service chains, ordered so that each only jumps to
+// chains before it (see nf.WriteRank), from the top-level chains.
+func splitChains(chains []bus.Chain) (services, top []bus.Chain) {
+	for _, c := range chains {
+		if nf.WriteRank(c.Name) < 0 {
+			top = append(top, c)
+		} else {
+			services = append(services, c)
+		}
+	}
+	slices.SortStableFunc(services, func(a, b bus.Chain) int { return nf.WriteRank(a.Name) - nf.WriteRank(b.Name) })
+	return services, top
+}
+
+// sortForDelete orders chains so that a chain is deleted before (or with) the
+// chains it jumps to.
+func sortForDelete(chains []string) {
+	slices.SortFunc(chains, func(a, b string) int {
+		if d := nf.WriteRank(b) - nf.WriteRank(a); d != 0 {
+			return d
+		}
+		return strings.Compare(a, b)
+	})
+}
