@@ -53,7 +53,7 @@ type Options struct {
 	// giving up when the budget is spent: for stages whose failures must not stop
 	// the ones that keep the rules in sync.
 	NeverEscalate bool
-	Logger      *slog.Logger  // default slog.Default()
+	Logger        *slog.Logger // default slog.Default()
 	// OnRestart, if set, is called once per restart of a leaf of this supervisor
 	// (including leaves restarted along with a sibling or with their whole subtree),
 	// with the failure that caused it. It runs on the supervising goroutine: keep it quick.
