@@ -35,6 +35,10 @@ type Config struct {
 	// Families are the families whose commit stages must report (e.g. [IPv4] or
 	// [IPv4, IPv6]); empty means [IPv4].
 	Families []bus.Family
+	// SideStages name stages (e.g. "conntrack-ipv4", "canary") whose failures never
+	// decide /healthz or /livez but are listed in their bodies, under "degraded",
+	// while their last error is younger than the health timeout.
+	SideStages []string
 	// Configz is served as JSON at /configz, under kube-proxy's configz key
 	// ("kubeproxy.config.k8s.io"), as kube-proxy serves its configuration.
 	Configz any
