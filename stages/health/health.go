@@ -13,7 +13,6 @@ import (
 	"maps"
 	"net"
 	"net/http"
-	"net/netip"
 	"sync"
 	"time"
 
@@ -29,9 +28,6 @@ type Config struct {
 	EnableDebug bool          // pprof (/debug/pprof/...) and Stages on the metrics listener
 	SyncPeriod  time.Duration // health timeout is 2 × SyncPeriod (≤ 0: kube-proxy's default, 30s)
 	NodeName    string
-	// NodeAddrs are the addresses healthCheckNodePort servers listen on; nil or
-	// empty: all addresses (":port"). It is asked when a service's server opens.
-	NodeAddrs func() []netip.Addr
 	// Families are the families whose commit stages must report (e.g. [IPv4] or
 	// [IPv4, IPv6]); empty means [IPv4].
 	Families []bus.Family
@@ -221,7 +217,7 @@ func (h *Health) Run(ctx context.Context) error {
 			maps.Copy(h.latest, v)
 		}
 	}
-	hc.sync(mergeChecks(h.latest))
+	hc.sync(h.latest)
 	for {
 		select {
 		case <-ctx.Done():
@@ -232,7 +228,7 @@ func (h *Health) Run(ctx context.Context) error {
 		case <-ready:
 			if v, ok := h.checks.TryTake(); ok {
 				maps.Copy(h.latest, v)
-				hc.sync(mergeChecks(h.latest))
+				hc.sync(h.latest)
 			}
 		}
 	}

@@ -439,11 +439,8 @@ func TestRunReleasesPorts(t *testing.T) {
 		HealthzAddr: "127.0.0.1:0",
 		MetricsAddr: "127.0.0.1:0",
 		EnableDebug: true,
-		NodeAddrs:   loopback,
 	}, nil)
-	hs.checks.Put(bus.HealthCheckUpdates{bus.IPv4: {Family: bus.IPv4, Services: map[bus.ServiceKey]bus.HealthCheck{
-		key: {NodePort: port, LocalEndpoints: 1},
-	}}})
+	hs.checks.Put(checks(bus.IPv4, map[bus.ServiceKey]bus.HealthCheck{key: {NodePort: port, LocalEndpoints: 1}}))
 	stop := hs.run(t)
 	healthz, metrics := hs.addr(t, healthzListener), hs.addr(t, metricsListener)
 	hcURL := "http://" + hcAddr(port) + "/"
