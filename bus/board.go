@@ -14,9 +14,12 @@ type Report struct {
 	LastSync time.Time
 	// LastQueued is when the last change was queued (coalesce).
 	LastQueued time.Time
-	Errors     uint64
-	LastError  string
-	Detail     string
+	// Errors counts the stage's failures, LastError and LastErrorAt are the latest
+	// (written by the stage itself or by its supervisor on a restart).
+	Errors      uint64
+	LastError   string
+	LastErrorAt time.Time
+	Detail      string
 }
 
 // Board collects the latest Report of every stage, by name. It is the status

@@ -114,3 +114,12 @@ func TestBoardConcurrentUpdates(t *testing.T) {
 		}
 	}
 }
+
+func TestBoardCarriesLastErrorAt(t *testing.T) {
+	b := bus.NewBoard()
+	at := time.Unix(2000, 0)
+	b.Update("canary", func(r *bus.Report) { r.Errors++; r.LastError = "boom"; r.LastErrorAt = at })
+	if got := b.Read()["canary"]; got.Errors != 1 || got.LastError != "boom" || !got.LastErrorAt.Equal(at) {
+		t.Errorf("report = %+v; want one error, boom, at %v", got, at)
+	}
+}

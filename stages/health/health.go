@@ -13,7 +13,6 @@ import (
 	"maps"
 	"net"
 	"net/http"
-	"net/netip"
 	"sync"
 	"time"
 
@@ -29,12 +28,13 @@ type Config struct {
 	EnableDebug bool          // pprof (/debug/pprof/...) and Stages on the metrics listener
 	SyncPeriod  time.Duration // health timeout is 2 × SyncPeriod (≤ 0: kube-proxy's default, 30s)
 	NodeName    string
-	// NodeAddrs are the addresses healthCheckNodePort servers listen on; nil or
-	// empty: all addresses (":port"). It is asked when a service's server opens.
-	NodeAddrs func() []netip.Addr
 	// Families are the families whose commit stages must report (e.g. [IPv4] or
 	// [IPv4, IPv6]); empty means [IPv4].
 	Families []bus.Family
+	// SideStages name stages (e.g. "conntrack-ipv4", "canary") whose failures never
+	// decide /healthz or /livez but are listed in their bodies, under "degraded",
+	// while their last error is younger than the health timeout.
+	SideStages []string
 	// Configz is served as JSON at /configz, under kube-proxy's configz key
 	// ("kubeproxy.config.k8s.io"), as kube-proxy serves its configuration.
 	Configz any
@@ -217,7 +217,7 @@ func (h *Health) Run(ctx context.Context) error {
 			maps.Copy(h.latest, v)
 		}
 	}
-	hc.sync(mergeChecks(h.latest))
+	hc.sync(h.latest)
 	for {
 		select {
 		case <-ctx.Done():
@@ -228,7 +228,7 @@ func (h *Health) Run(ctx context.Context) error {
 		case <-ready:
 			if v, ok := h.checks.TryTake(); ok {
 				maps.Copy(h.latest, v)
-				hc.sync(mergeChecks(h.latest))
+				hc.sync(h.latest)
 			}
 		}
 	}

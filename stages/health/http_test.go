@@ -439,11 +439,8 @@ func TestRunReleasesPorts(t *testing.T) {
 		HealthzAddr: "127.0.0.1:0",
 		MetricsAddr: "127.0.0.1:0",
 		EnableDebug: true,
-		NodeAddrs:   loopback,
 	}, nil)
-	hs.checks.Put(bus.HealthCheckUpdates{bus.IPv4: {Family: bus.IPv4, Services: map[bus.ServiceKey]bus.HealthCheck{
-		key: {NodePort: port, LocalEndpoints: 1},
-	}}})
+	hs.checks.Put(checks(bus.IPv4, map[bus.ServiceKey]bus.HealthCheck{key: {NodePort: port, LocalEndpoints: 1}}))
 	stop := hs.run(t)
 	healthz, metrics := hs.addr(t, healthzListener), hs.addr(t, metricsListener)
 	hcURL := "http://" + hcAddr(port) + "/"
@@ -513,4 +510,44 @@ func TestRunListenError(t *testing.T) {
 		t.Fatalf("healthz port not released: %v", err)
 	}
 	ln.Close()
+}
+
+// TestHealthzListsDegradedSideStages: a side stage that failed within the health
+// timeout is named in the /healthz and /livez bodies, and never changes the code.
+func TestHealthzListsDegradedSideStages(t *testing.T) {
+	ago := func(d time.Duration) time.Time { return testNow.Add(-d) }
+	hs := newHarness(t, Config{HealthzAddr: "127.0.0.1:0", SyncPeriod: time.Minute,
+		SideStages: []string{"conntrack-ipv4", "canary", "conntrack-ipv6"}}, nil)
+	hs.board.Publish("commit-ipv4", bus.Report{LastSync: ago(30 * time.Second), Errors: 1, LastError: "restore failed", LastErrorAt: ago(time.Second)})
+	hs.board.Publish("conntrack-ipv4", bus.Report{Errors: 3, LastError: "conntrack: netlink: no buffer space", LastErrorAt: ago(10 * time.Second)})
+	hs.board.Publish("canary", bus.Report{Errors: 1, LastError: "canary: old failure", LastErrorAt: ago(2*time.Minute + time.Second)})
+	hs.run(t)
+	base := "http://" + hs.addr(t, healthzListener)
+
+	const degraded = `"degraded":{"conntrack-ipv4":"conntrack: netlink: no buffer space"}`
+	r := get(t, base+"/healthz")
+	if want := `{"lastUpdated":"2025-01-02T03:10:00Z","currentTime":"2025-01-02T03:10:00Z","nodeEligible":true,"healthy":true,"status":{"IPv4":{"lastUpdated":"2025-01-02T03:09:30Z","healthy":true}},` + degraded + `}`; r.code != http.StatusOK || r.body != want {
+		t.Errorf("/healthz = %d\n got %s\nwant 200 %s", r.code, r.body, want)
+	}
+	r = get(t, base+"/livez")
+	if want := `{"lastUpdated":"2025-01-02T03:10:00Z","currentTime":"2025-01-02T03:10:00Z","healthy":true,"status":{"IPv4":{"lastUpdated":"2025-01-02T03:09:30Z","healthy":true}},` + degraded + `}`; r.code != http.StatusOK || r.body != want {
+		t.Errorf("/livez = %d\n got %s\nwant 200 %s", r.code, r.body, want)
+	}
+
+	// Unhealthy for kube-proxy's reasons: still 503, still naming the side stage.
+	hs.board.Publish("coalesce-ipv4", bus.Report{PendingSince: ago(3 * time.Minute)})
+	for _, path := range []string{"/healthz", "/livez"} {
+		if r := get(t, base+path); r.code != http.StatusServiceUnavailable || !strings.Contains(r.body, degraded) {
+			t.Errorf("%s with a change pending too long = %d %s; want 503 naming conntrack-ipv4", path, r.code, r.body)
+		}
+	}
+
+	// The failure ages out of the timeout: the field goes away.
+	hs.board.Publish("coalesce-ipv4", bus.Report{})
+	hs.board.Update("conntrack-ipv4", func(r *bus.Report) { r.LastErrorAt = ago(2 * time.Minute) })
+	for _, path := range []string{"/healthz", "/livez"} {
+		if r := get(t, base+path); r.code != http.StatusOK || strings.Contains(r.body, "degraded") {
+			t.Errorf("%s after the failure aged out = %d %s; want 200 without degraded", path, r.code, r.body)
+		}
+	}
 }

@@ -32,6 +32,9 @@ type proxyHealth struct {
 	NodeEligible *bool                    `json:"nodeEligible,omitempty"`
 	Healthy      bool                     `json:"healthy"`
 	Status       map[string]proxierHealth `json:"status,omitempty"` // by "IPv4" / "IPv6"
+	// Degraded is kpipe's own: side stages that failed recently, with their last
+	// error. It never decides the answer's code.
+	Degraded map[string]string `json:"degraded,omitempty"`
 }
 
 // decide is kube-proxy's ProxyHealthServer.Health over the board's reports: a family
@@ -65,6 +68,23 @@ func nodeEligible(reports map[string]bus.Report) bool {
 	return reports[watchStage].Detail != nodeDeletingState
 }
 
+// degraded names the side stages whose last failure is younger than timeout, with
+// their last error; nil when there are none.
+func degraded(reports map[string]bus.Report, side []string, now time.Time, timeout time.Duration) map[string]string {
+	var out map[string]string
+	for _, name := range side {
+		r := reports[name]
+		if r.LastErrorAt.IsZero() || now.Sub(r.LastErrorAt) >= timeout {
+			continue
+		}
+		if out == nil {
+			out = map[string]string{}
+		}
+		out[name] = r.LastError
+	}
+	return out
+}
+
 // proxyHealth is the current health, without the node check.
 func (h *Health) proxyHealth() proxyHealth {
 	return decide(h.board.Read(), h.families, h.started, h.now(), h.timeout)
@@ -82,14 +102,17 @@ func (h *Health) serveHealthz(w http.ResponseWriter, _ *http.Request) {
 	reports := h.board.Read()
 	now := h.now()
 	ph := decide(reports, h.families, h.started, now, h.timeout)
+	ph.Degraded = degraded(reports, h.cfg.SideStages, now, h.timeout)
 	eligible := nodeEligible(reports)
 	ph.NodeEligible = &eligible
 	h.answer(w, ph, ph.Healthy && eligible, now, "healthz")
 }
 
 func (h *Health) serveLivez(w http.ResponseWriter, _ *http.Request) {
+	reports := h.board.Read()
 	now := h.now()
-	ph := decide(h.board.Read(), h.families, h.started, now, h.timeout)
+	ph := decide(reports, h.families, h.started, now, h.timeout)
+	ph.Degraded = degraded(reports, h.cfg.SideStages, now, h.timeout)
 	h.answer(w, ph, ph.Healthy, now, "livez")
 }
 

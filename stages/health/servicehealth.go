@@ -4,9 +4,9 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"maps"
 	"net"
 	"net/http"
-	"net/netip"
 	"slices"
 	"strconv"
 	"sync"
@@ -50,6 +50,52 @@ type serviceServers struct {
 	h        *Health
 	wg       *sync.WaitGroup
 	services map[bus.ServiceKey]*serviceServer
+	binds    []bind // where every service's server listens
+}
+
+// bind is one listen address of a healthCheckNodePort server, without the port.
+type bind struct{ network, host string }
+
+func (b bind) String() string {
+	if b.host == "" {
+		return "*"
+	}
+	return b.host
+}
+
+// bindsOf says where healthCheckNodePort servers listen, from each family's Addrs
+// (nil: every address of the family): one ":port" socket, which covers both
+// families, when no family limits them; else each listed address, plus the
+// wildcard of any family that does not limit them. A family that lists no address
+// has no listener.
+func bindsOf(latest map[bus.Family]bus.HealthChecks) []bind {
+	families := slices.Sorted(maps.Keys(latest))
+	if !slices.ContainsFunc(families, func(f bus.Family) bool { return latest[f].Addrs != nil }) {
+		return []bind{{"tcp", ""}}
+	}
+	var out []bind
+	add := func(b bind) {
+		if !slices.Contains(out, b) {
+			out = append(out, b)
+		}
+	}
+	for _, f := range families {
+		addrs := latest[f].Addrs
+		if addrs == nil {
+			if f == bus.IPv6 {
+				add(bind{"tcp6", "::"}) // tcp6 sets IPV6_V6ONLY: IPv4 stays as listed
+			} else {
+				add(bind{"tcp4", "0.0.0.0"})
+			}
+			continue
+		}
+		for _, a := range addrs {
+			if a.IsValid() {
+				add(bind{"tcp", a.Unmap().String()})
+			}
+		}
+	}
+	return out
 }
 
 type serviceServer struct {
@@ -64,10 +110,19 @@ func newServiceServers(h *Health, wg *sync.WaitGroup) *serviceServers {
 	return &serviceServers{h: h, wg: wg, services: map[bus.ServiceKey]*serviceServer{}}
 }
 
-// sync makes the open servers match want: it closes those of services that went away
-// or moved port, opens the new ones and updates the counts of the others in place.
-// A port that cannot be bound is logged and tried again on the next sync.
-func (s *serviceServers) sync(want map[bus.ServiceKey]bus.HealthCheck) {
+// sync makes the open servers match the latest health checks of every family: it
+// closes those of services that went away or moved port (every one when the listen
+// addresses changed), opens the new ones and updates the counts of the others in
+// place. A port that cannot be bound is logged and tried again on the next sync.
+func (s *serviceServers) sync(latest map[bus.Family]bus.HealthChecks) {
+	want := mergeChecks(latest)
+	if binds := bindsOf(latest); !slices.Equal(binds, s.binds) {
+		if len(s.services) > 0 {
+			s.h.log.Info("healthcheck addresses changed; reopening", "addrs", fmt.Sprint(binds))
+		}
+		s.closeAll()
+		s.binds = binds
+	}
 	for key, svc := range s.services {
 		if hc, ok := want[key]; !ok || hc.NodePort != svc.port {
 			s.h.log.Info("closing healthcheck", "service", key.String(), "port", svc.port)
@@ -92,36 +147,14 @@ func (s *serviceServers) sync(want map[bus.ServiceKey]bus.HealthCheck) {
 	}
 }
 
-// hosts are the addresses healthCheckNodePort servers listen on: the node's
-// addresses, or every address ("") when none are given.
-func (s *serviceServers) hosts() []string {
-	var addrs []netip.Addr
-	if s.h.cfg.NodeAddrs != nil {
-		addrs = s.h.cfg.NodeAddrs()
-	}
-	var hosts []string
-	for _, a := range addrs {
-		if !a.IsValid() {
-			continue
-		}
-		if host := a.String(); !slices.Contains(hosts, host) {
-			hosts = append(hosts, host)
-		}
-	}
-	if len(hosts) == 0 {
-		hosts = []string{""}
-	}
-	return hosts
-}
-
-// open binds the service's port on every host and serves it; on any failure it
-// closes what it had opened, so the port is free for the next try.
+// open binds the service's port on every listen address and serves it; on any
+// failure it closes what it had opened, so the port is free for the next try.
 func (s *serviceServers) open(svc *serviceServer) error {
 	handler := s.h.serviceHandler(svc)
 	port := strconv.Itoa(int(svc.port))
-	for _, host := range s.hosts() {
-		addr := net.JoinHostPort(host, port)
-		ln, err := net.Listen("tcp", addr)
+	for _, b := range s.binds {
+		addr := net.JoinHostPort(b.host, port)
+		ln, err := net.Listen(b.network, addr)
 		if err != nil {
 			svc.close(s.h.log)
 			return fmt.Errorf("listen on %s: %w", addr, err)

@@ -75,12 +75,13 @@ func waitClosed(t *testing.T, port int32) {
 	ln.Close()
 }
 
+// checks are one family's health checks, served on loopback only.
 func checks(f bus.Family, svcs map[bus.ServiceKey]bus.HealthCheck) bus.HealthCheckUpdates {
-	return bus.HealthCheckUpdates{f: {Family: f, Services: svcs}}
+	return bus.HealthCheckUpdates{f: {Family: f, Services: svcs, Addrs: loopback()}}
 }
 
 func TestServiceHealthServers(t *testing.T) {
-	hs := newHarness(t, Config{NodeAddrs: loopback, Families: []bus.Family{bus.IPv4, bus.IPv6}}, nil)
+	hs := newHarness(t, Config{Families: []bus.Family{bus.IPv4, bus.IPv6}}, nil)
 	hs.run(t)
 	a := bus.ServiceKey{Namespace: "ns-a", Name: "a"}
 	b := bus.ServiceKey{Namespace: "ns-b", Name: "b"}
@@ -175,7 +176,7 @@ func TestServiceHealthServers(t *testing.T) {
 }
 
 func TestServiceHealthProxyUnhealthy(t *testing.T) {
-	hs := newHarness(t, Config{NodeAddrs: loopback, SyncPeriod: time.Minute}, nil)
+	hs := newHarness(t, Config{SyncPeriod: time.Minute}, nil)
 	hs.run(t)
 	key := bus.ServiceKey{Namespace: "ns", Name: "svc"}
 	port := freePort(t)
@@ -202,7 +203,7 @@ func TestServiceHealthProxyUnhealthy(t *testing.T) {
 }
 
 func TestServiceHealthBindFailure(t *testing.T) {
-	hs := newHarness(t, Config{NodeAddrs: loopback}, nil)
+	hs := newHarness(t, Config{}, nil)
 	stop := hs.run(t)
 	a := bus.ServiceKey{Namespace: "ns", Name: "a"}
 	b := bus.ServiceKey{Namespace: "ns", Name: "b"}
@@ -233,22 +234,22 @@ func TestServiceHealthBindFailure(t *testing.T) {
 }
 
 func TestServiceHealthAllAddresses(t *testing.T) {
-	for _, nodeAddrs := range []func() []netip.Addr{nil, func() []netip.Addr { return nil }} {
-		hs := newHarness(t, Config{NodeAddrs: nodeAddrs}, nil)
-		stop := hs.run(t)
-		key := bus.ServiceKey{Namespace: "ns", Name: "svc"}
-		port := freePort(t)
-		hs.checks.Put(checks(bus.IPv4, map[bus.ServiceKey]bus.HealthCheck{key: {NodePort: port, LocalEndpoints: 1}}))
-		waitAnswer(t, port, hcBody("ns", "svc", 1, true))
-		if err := stop(); err != nil {
-			t.Fatal(err)
-		}
-		waitClosed(t, port)
-		// Bound on every address: the wildcard must be free too.
-		ln, err := net.Listen("tcp", net.JoinHostPort("", strconv.Itoa(int(port))))
-		if err != nil {
-			t.Fatalf("wildcard port %d not released: %v", port, err)
-		}
-		ln.Close()
+	hs := newHarness(t, Config{}, nil)
+	stop := hs.run(t)
+	key := bus.ServiceKey{Namespace: "ns", Name: "svc"}
+	port := freePort(t)
+	// No Addrs: every address.
+	hs.checks.Put(bus.HealthCheckUpdates{bus.IPv4: {Family: bus.IPv4,
+		Services: map[bus.ServiceKey]bus.HealthCheck{key: {NodePort: port, LocalEndpoints: 1}}}})
+	waitAnswer(t, port, hcBody("ns", "svc", 1, true))
+	if err := stop(); err != nil {
+		t.Fatal(err)
 	}
+	waitClosed(t, port)
+	// Bound on every address: the wildcard must be free too.
+	ln, err := net.Listen("tcp", net.JoinHostPort("", strconv.Itoa(int(port))))
+	if err != nil {
+		t.Fatalf("wildcard port %d not released: %v", port, err)
+	}
+	ln.Close()
 }

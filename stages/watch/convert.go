@@ -15,9 +15,6 @@ import (
 // defaultAffinitySeconds is the API's default sessionAffinityConfig timeout (3 hours).
 const defaultAffinitySeconds = 10800
 
-// sourceRangesAnnotation is the older way to give loadBalancerSourceRanges.
-const sourceRangesAnnotation = "service.beta.kubernetes.io/load-balancer-source-ranges"
-
 // skip records one invalid part of an object: what, and why.
 type skip struct{ kind, reason, detail string }
 
@@ -68,11 +65,10 @@ func (c Converter) Service(s *corev1.Service) (*bus.Service, []skip) {
 				bad("invalid-loadbalancer-ip", fmt.Sprintf("ingress IP %q", ing.IP))
 			}
 		}
-		ranges := s.Spec.LoadBalancerSourceRanges
-		if len(ranges) == 0 && s.Annotations[sourceRangesAnnotation] != "" {
-			ranges = strings.Split(s.Annotations[sourceRangesAnnotation], ",")
-		}
-		for _, r := range ranges {
+		// Only the spec field, as kube-proxy: the beta annotation
+		// (service.beta.kubernetes.io/load-balancer-source-ranges) is for cloud
+		// providers' load balancers, and kube-proxy does not read it.
+		for _, r := range s.Spec.LoadBalancerSourceRanges {
 			if p, err := netip.ParsePrefix(strings.TrimSpace(r)); err == nil {
 				out.LoadBalancerSourceRanges = append(out.LoadBalancerSourceRanges, p.Masked())
 			} else {

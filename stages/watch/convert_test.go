@@ -275,26 +275,32 @@ func TestConvertServiceLoadBalancerIngress(t *testing.T) {
 }
 
 func TestConvertServiceSourceRanges(t *testing.T) {
-	t.Run("spec wins over annotation", func(t *testing.T) {
-		out, _ := Converter{}.Service(clusterIPService("lb", func(s *corev1.Service) {
-			s.Spec.Type = corev1.ServiceTypeLoadBalancer
-			s.Spec.LoadBalancerSourceRanges = []string{"192.0.2.0/24"}
-			s.Annotations = map[string]string{sourceRangesAnnotation: "10.0.0.0/8"}
-		}))
-		if !slices.Equal(out.LoadBalancerSourceRanges, prefixes("192.0.2.0/24")) {
-			t.Errorf("ranges = %v; want the spec's", out.LoadBalancerSourceRanges)
-		}
-	})
-	t.Run("annotation fallback", func(t *testing.T) {
+	// kube-proxy reads only spec.loadBalancerSourceRanges (pkg/proxy/serviceport.go,
+	// newBaseServiceInfo); the beta annotation is for cloud providers' load balancers.
+	const annotation = "service.beta.kubernetes.io/load-balancer-source-ranges"
+	t.Run("spec ranges, masked and trimmed", func(t *testing.T) {
 		out, skips := Converter{}.Service(clusterIPService("lb", func(s *corev1.Service) {
 			s.Spec.Type = corev1.ServiceTypeLoadBalancer
-			s.Annotations = map[string]string{sourceRangesAnnotation: "10.1.2.3/8, 192.0.2.0/24,fd00::/64"}
+			s.Spec.LoadBalancerSourceRanges = []string{"10.1.2.3/8", " 192.0.2.0/24", "fd00::/64 "}
+			s.Annotations = map[string]string{annotation: "198.51.100.0/24"}
 		}))
 		if len(skips) != 0 {
 			t.Errorf("skips = %v", reasons(skips))
 		}
 		if want := prefixes("10.0.0.0/8", "192.0.2.0/24", "fd00::/64"); !slices.Equal(out.LoadBalancerSourceRanges, want) {
-			t.Errorf("ranges = %v; want %v (masked, spaces trimmed)", out.LoadBalancerSourceRanges, want)
+			t.Errorf("ranges = %v; want the spec's %v", out.LoadBalancerSourceRanges, want)
+		}
+	})
+	t.Run("annotation alone is ignored", func(t *testing.T) {
+		out, skips := Converter{}.Service(clusterIPService("lb", func(s *corev1.Service) {
+			s.Spec.Type = corev1.ServiceTypeLoadBalancer
+			s.Annotations = map[string]string{annotation: "10.1.2.3/8, 192.0.2.0/24,fd00::/64"}
+		}))
+		if len(skips) != 0 {
+			t.Errorf("skips = %v", reasons(skips))
+		}
+		if len(out.LoadBalancerSourceRanges) != 0 {
+			t.Errorf("ranges = %v; want none: kube-proxy does not read the annotation, so the LB is open to every source", out.LoadBalancerSourceRanges)
 		}
 	})
 	t.Run("not a load balancer", func(t *testing.T) {

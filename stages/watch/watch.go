@@ -6,9 +6,12 @@ import (
 	"context"
 	"fmt"
 	"log/slog"
+	"runtime/debug"
+	"slices"
 	"sync"
 	"time"
 
+	"github.com/vishvananda/netlink"
 	corev1 "k8s.io/api/core/v1"
 	discoveryv1 "k8s.io/api/discovery/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -36,23 +39,57 @@ type Stage struct {
 	log        *slog.Logger
 	watchAddrs bool
 
+	// subscribe starts the netlink address watch; tests replace it.
+	subscribe func(done <-chan struct{}) (<-chan netlink.AddrUpdate, error)
+	// beforeSend, when set, sees every change just before it is sent; tests use it
+	// to fail inside a handler or a replay.
+	beforeSend func(bus.Change)
+
 	// sendMu orders handler sends against replays: a replay is read from the informer
 	// caches and sent under it, so no older event can follow a newer replay.
 	sendMu sync.Mutex
+	// lastNode is the Node last sent (guarded by sendMu): the kubelet updates its
+	// Node every few seconds, and most updates change nothing kpipe uses.
+	lastNode *bus.Node
 }
 
 // NewStage makes the watch stage. watchAddrs turns on the netlink address watch
 // (needed for --nodeport-addresses).
 func NewStage(client kubernetes.Interface, nodeName string, out chan<- bus.Change, replay *bus.Flag, board *bus.Board, metrics *bus.Metrics, log *slog.Logger, watchAddrs bool) *Stage {
-	return &Stage{client: client, conv: Converter{NodeName: nodeName}, out: out, replay: replay, board: board, metrics: metrics, log: log, watchAddrs: watchAddrs}
+	return &Stage{client: client, conv: Converter{NodeName: nodeName}, out: out, replay: replay, board: board, metrics: metrics, log: log,
+		watchAddrs: watchAddrs, subscribe: nf.SubscribeAddrs}
 }
 
 type informerSet struct {
 	services, slices, nodes cache.SharedIndexInformer
 }
 
-// Run watches until ctx ends.
+// Run watches until ctx ends (then it returns nil) or something fails: the address
+// watch closes, or a handler or a replay panics. Then it returns the error, so the
+// supervisor restarts it, and the restart replays.
 func (s *Stage) Run(ctx context.Context) error {
+	// run ends the informers, and any send their handlers block in, whenever Run
+	// returns: Shutdown waits for them, and ctx may still be live.
+	run, stop := context.WithCancel(ctx)
+	defer stop()
+	failed := make(chan error, 1)
+	fail := func(err error) {
+		select {
+		case failed <- err:
+		default: // the first failure is the one reported
+		}
+		stop()
+	}
+	// ended is Run's result once run is done: the failure, or nil when ctx ended.
+	ended := func() error {
+		select {
+		case err := <-failed:
+			return err
+		default:
+			return nil
+		}
+	}
+
 	factory := informers.NewSharedInformerFactoryWithOptions(s.client, 0,
 		informers.WithTweakListOptions(func(o *metav1.ListOptions) { o.LabelSelector = selector }))
 	nodeFactory := informers.NewSharedInformerFactoryWithOptions(s.client, 0,
@@ -65,13 +102,18 @@ func (s *Stage) Run(ctx context.Context) error {
 	synced := false // guarded by sendMu: events before the first replay are redundant
 	handler := func(toChange func(obj any, deleted bool) (bus.Change, bool)) cache.ResourceEventHandlerFuncs {
 		send := func(obj any, deleted bool) {
-			s.sendMu.Lock()
-			defer s.sendMu.Unlock()
-			if !synced {
-				return
-			}
-			if c, ok := toChange(obj, deleted); ok {
-				s.send(ctx, c)
+			err := s.catch("event handler", func() {
+				s.sendMu.Lock()
+				defer s.sendMu.Unlock()
+				if !synced {
+					return
+				}
+				if c, ok := toChange(obj, deleted); ok {
+					s.send(run, c)
+				}
+			})
+			if err != nil {
+				fail(err)
 			}
 		}
 		return cache.ResourceEventHandlerFuncs{
@@ -93,44 +135,65 @@ func (s *Stage) Run(ctx context.Context) error {
 			return fmt.Errorf("watch: add event handler: %w", err)
 		}
 	}
-	factory.Start(ctx.Done())
-	nodeFactory.Start(ctx.Done())
+	factory.Start(run.Done())
+	nodeFactory.Start(run.Done())
+	// Deferred after stop, so they run after it: Shutdown returns once run is done.
 	defer factory.Shutdown()
 	defer nodeFactory.Shutdown()
+	defer stop()
 
-	addrs, err := s.subscribeAddrs(ctx)
+	addrs, err := s.subscribeAddrs(run)
 	if err != nil {
 		return err
 	}
-	if !cache.WaitForCacheSync(ctx.Done(), inf.services.HasSynced, inf.slices.HasSynced, inf.nodes.HasSynced) {
-		return nil // ctx ended
+	if !cache.WaitForCacheSync(run.Done(), inf.services.HasSynced, inf.slices.HasSynced, inf.nodes.HasSynced) {
+		return ended()
 	}
 	s.log.Info("informer caches synced")
 	s.sendMu.Lock()
 	synced = true
 	s.sendMu.Unlock()
-	s.sendReplay(ctx, inf)
+	if err := s.catch("replay", func() { s.sendReplay(run, inf) }); err != nil {
+		return err
+	}
 	s.replay.Lower() // the replay just sent answers any request made before it
 	for {
 		select {
-		case <-ctx.Done():
-			return nil
+		case <-run.Done():
+			return ended()
 		case <-s.replay.C():
-			s.sendReplay(ctx, inf)
+			if err := s.catch("replay", func() { s.sendReplay(run, inf) }); err != nil {
+				return err
+			}
 		case _, ok := <-addrs:
 			if !ok {
 				return fmt.Errorf("watch: netlink address subscription closed")
 			}
-			s.sendAddrs(ctx)
+			if err := s.catch("address update", func() { s.sendAddrs(run) }); err != nil {
+				return err
+			}
 		}
 	}
+}
+
+// catch runs f and turns a panic in it into an error, logged with its stack: on
+// client-go's goroutines a panic would bypass the supervisor and end the process.
+func (s *Stage) catch(where string, f func()) (err error) {
+	defer func() {
+		if v := recover(); v != nil {
+			s.log.Error("watch panicked", "in", where, "panic", v, "stack", string(debug.Stack()))
+			err = fmt.Errorf("watch: panic in %s: %v", where, v)
+		}
+	}()
+	f()
+	return nil
 }
 
 func (s *Stage) subscribeAddrs(ctx context.Context) (<-chan struct{}, error) {
 	if !s.watchAddrs {
 		return nil, nil
 	}
-	updates, err := nf.SubscribeAddrs(ctx.Done())
+	updates, err := s.subscribe(ctx.Done())
 	if err != nil {
 		return nil, err
 	}
@@ -161,6 +224,9 @@ func (s *Stage) sendAddrs(ctx context.Context) {
 
 // send blocks until coalesce takes the change or ctx ends.
 func (s *Stage) send(ctx context.Context, c bus.Change) {
+	if s.beforeSend != nil {
+		s.beforeSend(c)
+	}
 	select {
 	case s.out <- c:
 	case <-ctx.Done():
@@ -187,6 +253,7 @@ func (s *Stage) sendReplay(ctx context.Context, inf informerSet) {
 	for _, obj := range inf.nodes.GetStore().List() {
 		st.Node = s.node(obj.(*corev1.Node))
 	}
+	s.lastNode = st.Node
 	if s.watchAddrs {
 		if addrs, err := nf.LocalAddrs(); err == nil {
 			st.LocalAddrs = addrs
@@ -236,7 +303,20 @@ func (s *Stage) nodeChange(obj any, deleted bool) (bus.Change, bool) {
 	if deleted {
 		node.Deleting = true
 	}
+	if sameNode(node, s.lastNode) {
+		return bus.Change{}, false
+	}
+	s.lastNode = node
 	return bus.Change{Kind: bus.NodeChanged, Node: node}, true
+}
+
+// sameNode says whether a and b hold the same values (nil only equals nil).
+func sameNode(a, b *bus.Node) bool {
+	if a == nil || b == nil {
+		return a == b
+	}
+	return a.Name == b.Name && a.Zone == b.Zone && a.Deleting == b.Deleting &&
+		slices.Equal(a.Addrs, b.Addrs) && slices.Equal(a.PodCIDRs, b.PodCIDRs)
 }
 
 func (s *Stage) service(svc *corev1.Service) *bus.Service {

@@ -3,6 +3,9 @@ package watch
 import (
 	"context"
 	"log/slog"
+	"net/netip"
+	"reflect"
+	"slices"
 	"sync"
 	"testing"
 	"time"
@@ -29,17 +32,27 @@ type stageHarness struct {
 	replay  *bus.Flag
 	board   *bus.Board
 	reg     *prometheus.Registry
-	ctx     context.Context
+	stage   *Stage
 	watches chan string // resource names whose watch has started
 
 	mu        sync.Mutex
 	selectors map[string][]string // list selectors by resource: "labels|fields"
+
+	// The current Run: its cancel, and where its result arrives.
+	cancel context.CancelFunc
+	done   chan error
 }
 
 func startStage(t *testing.T, objects ...runtime.Object) *stageHarness {
 	t.Helper()
+	return startStageWith(t, nil, objects...)
+}
+
+// startStageWith is startStage with setup applied to the stage before it runs.
+func startStageWith(t *testing.T, setup func(*Stage), objects ...runtime.Object) *stageHarness {
+	t.Helper()
 	h := &stageHarness{t: t, client: fake.NewClientset(objects...), out: make(chan bus.Change, 256), replay: bus.NewFlag(),
-		board: bus.NewBoard(), reg: prometheus.NewRegistry(), watches: make(chan string, 16), selectors: map[string][]string{}}
+		board: bus.NewBoard(), reg: prometheus.NewRegistry(), watches: make(chan string, 64), selectors: map[string][]string{}}
 	h.client.PrependReactor("list", "*", func(a k8stesting.Action) (bool, runtime.Object, error) {
 		if l, ok := a.(k8stesting.ListAction); ok {
 			r := l.GetListRestrictions()
@@ -59,23 +72,46 @@ func startStage(t *testing.T, objects ...runtime.Object) *stageHarness {
 		h.watches <- a.GetResource().Resource
 		return true, w, nil
 	})
+	h.stage = NewStage(h.client, "node-1", h.out, h.replay, h.board, bus.NewMetrics(h.reg), slog.New(slog.DiscardHandler), false)
+	if setup != nil {
+		setup(h.stage)
+	}
+	h.run()
+	return h
+}
+
+// run starts the stage's Run (again, as the supervisor's restart does); the test's
+// cleanup cancels it and expects nil unless the test took its result with exit.
+func (h *stageHarness) run() {
 	ctx, cancel := context.WithCancel(context.Background())
-	h.ctx = ctx
-	s := NewStage(h.client, "node-1", h.out, h.replay, h.board, bus.NewMetrics(h.reg), slog.New(slog.DiscardHandler), false)
 	done := make(chan error, 1)
-	go func() { done <- s.Run(ctx) }()
-	t.Cleanup(func() {
+	h.cancel, h.done = cancel, done
+	go func() { done <- h.stage.Run(ctx) }()
+	h.t.Cleanup(func() {
 		cancel()
 		select {
-		case err := <-done:
-			if err != nil {
-				t.Errorf("Run returned %v after cancel; want nil", err)
+		case err, ok := <-done:
+			if ok && err != nil {
+				h.t.Errorf("Run returned %v after cancel; want nil", err)
 			}
 		case <-time.After(within):
-			t.Error("Run did not return after its context was cancelled")
+			h.t.Error("Run did not return after its context was cancelled")
 		}
 	})
-	return h
+}
+
+// exit waits for the current Run to return on its own (its context still live) and
+// returns its error.
+func (h *stageHarness) exit() error {
+	h.t.Helper()
+	select {
+	case err := <-h.done:
+		close(h.done) // taken: the cleanup expects nothing more
+		return err
+	case <-time.After(within):
+		h.t.Fatal("Run did not return with its context live: hung?")
+		return nil
+	}
 }
 
 // waitWatches waits until the three watches (services, endpointslices, nodes) run.
@@ -346,5 +382,83 @@ func TestStageReplaysOnRequest(t *testing.T) {
 	}
 	if st.Node == nil || st.Node.Name != "node-1" {
 		t.Errorf("replay node = %+v", st.Node)
+	}
+}
+
+// TestStageNodeChangedOnlyWhenUsedFieldsChange: the kubelet's status heartbeats
+// change nothing kpipe uses and must not become NodeChanged events.
+func TestStageNodeChangedOnlyWhenUsedFieldsChange(t *testing.T) {
+	ctx := context.Background()
+	h := startStage(t, node("node-1"))
+	h.nextReplay()
+	h.waitWatches()
+	nodes := h.client.CoreV1().Nodes()
+	beat := 0
+	heartbeat := func(zone string) {
+		t.Helper()
+		beat++
+		n := node("node-1")
+		n.Labels[corev1.LabelTopologyZone] = zone
+		n.Status.Conditions = []corev1.NodeCondition{{Type: corev1.NodeReady, Status: corev1.ConditionTrue,
+			LastHeartbeatTime: metav1.NewTime(time.Unix(int64(1000+beat), 0))}}
+		if _, err := nodes.Update(ctx, n, metav1.UpdateOptions{}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	// Heartbeats around two real changes; events of one informer arrive in order,
+	// so every heartbeat before zone-c has been handled when zone-c arrives.
+	heartbeat("zone-a")
+	heartbeat("zone-a")
+	heartbeat("zone-b")
+	heartbeat("zone-b")
+	heartbeat("zone-b")
+	heartbeat("zone-c")
+	var zones []string
+	h.next("node in zone-c", func(c bus.Change) bool {
+		if c.Kind != bus.NodeChanged {
+			return false
+		}
+		zones = append(zones, c.Node.Zone)
+		return c.Node.Zone == "zone-c"
+	})
+	if !slices.Equal(zones, []string{"zone-b", "zone-c"}) {
+		t.Errorf("NodeChanged zones = %v; want [zone-b zone-c]: one per real change", zones)
+	}
+
+	// A replay still carries the node.
+	h.replay.Raise()
+	if st := h.nextReplay(); st.Node == nil || st.Node.Zone != "zone-c" {
+		t.Errorf("replay node = %+v; want zone-c", st.Node)
+	}
+}
+
+// TestSameNodeComparesEveryField: a field added to bus.Node must take part in the
+// comparison, or a change to it would never reach render.
+func TestSameNodeComparesEveryField(t *testing.T) {
+	base := bus.Node{Name: "n", Zone: "z", Addrs: []netip.Addr{netip.MustParseAddr("192.0.2.1")},
+		PodCIDRs: []netip.Prefix{netip.MustParsePrefix("10.244.1.0/24")}}
+	if !sameNode(&base, &bus.Node{Name: "n", Zone: "z", Addrs: slices.Clone(base.Addrs), PodCIDRs: slices.Clone(base.PodCIDRs)}) {
+		t.Error("equal values compare different")
+	}
+	if sameNode(&base, nil) || !sameNode(nil, nil) {
+		t.Error("nil compares wrong")
+	}
+	typ := reflect.TypeOf(base)
+	for i := range typ.NumField() {
+		changed := base
+		f := reflect.ValueOf(&changed).Elem().Field(i)
+		switch f.Kind() {
+		case reflect.String:
+			f.SetString(f.String() + "x")
+		case reflect.Bool:
+			f.SetBool(!f.Bool())
+		case reflect.Slice:
+			f.Set(reflect.Append(reflect.MakeSlice(f.Type(), 0, f.Len()+1), reflect.Zero(f.Type().Elem())))
+		default:
+			t.Fatalf("field %s of kind %s: teach this test and sameNode about it", typ.Field(i).Name, f.Kind())
+		}
+		if sameNode(&base, &changed) {
+			t.Errorf("a change to %s is not seen", typ.Field(i).Name)
+		}
 	}
 }
