@@ -7,6 +7,7 @@ import (
 	"net/http"
 	"os"
 	"os/exec"
+	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/collectors"
@@ -57,12 +58,13 @@ func serve(ctx context.Context, o *Options) error {
 
 	onRestart := func(stage string, err error) {
 		metrics.StageRestarts.WithLabelValues(stage).Inc()
-		board.Update(stage, func(r *bus.Report) { r.Errors++; r.LastError = err.Error() })
+		board.Update(stage, func(r *bus.Report) { r.Errors++; r.LastError, r.LastErrorAt = err.Error(), time.Now() })
 	}
 	opts := func(s supervise.Strategy) supervise.Options {
 		return supervise.Options{Strategy: s, Logger: log, OnRestart: onRestart}
 	}
 	var familyTrees, side []supervise.Child
+	sideNames := []string{"canary"}
 	var coalesceIO []coalesce.Family
 	resync := map[bus.Family]*bus.Flag{}
 	for _, f := range families {
@@ -79,6 +81,7 @@ func serve(ctx context.Context, o *Options) error {
 		familyTrees = append(familyTrees, supervise.Tree(name, opts(supervise.RestForOne),
 			supervise.Leaf("render-"+name, rs.Run), supervise.Leaf("commit-"+name, cs.Run)))
 		side = append(side, supervise.Leaf("conntrack-"+name, ct.Run))
+		sideNames = append(sideNames, "conntrack-"+name)
 	}
 	ws := watch.NewStage(client, o.HostnameOverride, changes, replay, board, metrics, log.With("stage", "watch"), len(o.nodePortCIDRs) > 0)
 	co := coalesce.NewStage(coalesce.Config{MinSyncPeriod: o.MinSyncPeriod, SyncPeriod: o.SyncPeriod, Burst: 2},
@@ -92,7 +95,7 @@ func serve(ctx context.Context, o *Options) error {
 	}
 	he := health.New(health.Config{
 		HealthzAddr: o.HealthzBindAddress, MetricsAddr: o.MetricsBindAddress, EnableDebug: o.EnableDebugHandlers,
-		SyncPeriod: o.SyncPeriod, NodeName: o.HostnameOverride, Families: families, Configz: o,
+		SyncPeriod: o.SyncPeriod, NodeName: o.HostnameOverride, Families: families, Configz: o, SideStages: sideNames,
 	}, board, reg, metrics, checks, stagesHandler, log.With("stage", "health"))
 
 	sideOpts := opts(supervise.OneForOne)
