@@ -116,9 +116,12 @@ func (s *Stage) Run(ctx context.Context) error {
 	synced := false
 	fams := make([]*familyState, len(s.families))
 	for i, f := range s.families {
-		fams[i] = &familyState{Family: f, name: "coalesce-" + lowerFamily(f.Family), pending: map[bus.ServiceKey]pendingChange{},
+		// The first snapshot is not forced to be a full sync: commit's ledger knows
+		// whether the kernel holds what it wrote (a restart of coalesce alone costs
+		// no rewrite; a new process's first commit is a full one anyway). The
+		// hourly full sync counts from now.
+		fams[i] = &familyState{Family: f, name: "coalesce-" + lowerFamily(f.Family), pending: map[bus.ServiceKey]pendingChange{}, lastFull: s.now(),
 			limiter: newLimiter(s.cfg.MinSyncPeriod, s.cfg.Burst, s.now())}
-		fams[i].wantFull(s.gen + 1)
 	}
 	s.replay.Raise()
 	periodic := time.NewTicker(s.cfg.SyncPeriod)

@@ -85,6 +85,9 @@ func (s *Stage) Run(ctx context.Context) error {
 			return nil
 		}
 		start := time.Now()
+		// Without a ledger that matches the kernel (a new process, a failed full
+		// sync), every plan is written as a full sync.
+		full := plan.Full || !s.ledger.synced
 		if err := s.apply(ctx, plan); err != nil {
 			if ctx.Err() != nil {
 				return nil
@@ -93,14 +96,14 @@ func (s *Stage) Run(ctx context.Context) error {
 			s.log.Error("commit failed; a full resync follows", "family", s.family, "generation", plan.Generation, "err", err)
 			s.board.Update(s.name, func(r *bus.Report) { r.Errors++; r.LastError = err.Error() })
 			// The failed result makes coalesce retry with a full sync, after a backoff.
-			s.out.Results.Put(bus.Result{Family: s.family, Generation: plan.Generation, Err: err, Full: plan.Full, At: time.Now()})
+			s.out.Results.Put(bus.Result{Family: s.family, Generation: plan.Generation, Err: err, Full: full, At: time.Now()})
 			continue
 		}
 		now := time.Now()
-		s.record(plan, start, now)
+		s.record(plan, full, start, now)
 		flows, udpChanged := staleFlows(s.family, s.ledger.udp, s.ledger.haveUDP, plan.UDP)
 		s.ledger.udp, s.ledger.haveUDP = plan.UDP, true
-		s.out.Results.Put(bus.Result{Family: s.family, Generation: plan.Generation, OK: true, Full: plan.Full, Refresh: plan.Refresh, At: now})
+		s.out.Results.Put(bus.Result{Family: s.family, Generation: plan.Generation, OK: true, Full: full, Refresh: plan.Refresh, At: now})
 		if s.out.HealthChecks != nil {
 			s.out.HealthChecks.Put(bus.HealthCheckUpdates{s.family: plan.HealthChecks})
 		}
@@ -307,14 +310,14 @@ func (s *Stage) restore(ctx context.Context, st step) error {
 	return nil
 }
 
-func (s *Stage) record(plan *bus.Plan, start, now time.Time) {
+func (s *Stage) record(plan *bus.Plan, full bool, start, now time.Time) {
 	began := plan.Started
 	if began.IsZero() {
 		began = start
 	}
 	took := now.Sub(began).Seconds()
 	s.metrics.SyncDuration.Observe(took)
-	if plan.Full {
+	if full {
 		s.metrics.SyncFullDuration.Observe(took)
 	} else {
 		s.metrics.SyncPartialDuration.Observe(took)
@@ -327,7 +330,7 @@ func (s *Stage) record(plan *bus.Plan, start, now time.Time) {
 		s.metrics.NoLocalEndpoints.WithLabelValues(policy).Set(float64(n))
 	}
 	s.board.Update(s.name, func(r *bus.Report) { r.LastSync = now; r.Detail = fmt.Sprintf("generation %d", plan.Generation) })
-	s.log.Debug("committed", "family", s.family, "generation", plan.Generation, "full", plan.Full, "took", now.Sub(began))
+	s.log.Debug("committed", "family", s.family, "generation", plan.Generation, "full", full, "took", now.Sub(began))
 }
 
 func isNoChain(err error) bool { return errors.Is(err, nf.ErrNoChain) }

@@ -456,7 +456,9 @@ func TestRunProtocol(t *testing.T) {
 		t.Error("health checks forwarded for a plan that failed")
 	}
 	k.beforeRestore = nil
-	s.in.Put(planOf(st, 8, true))
+	// Not marked full, but nothing was ever committed: it is written, and
+	// answered, as a full sync.
+	s.in.Put(planOf(st, 8, false))
 	if r := take(t, out.Results, "result"); !r.OK || r.Generation != 8 || !r.Full {
 		t.Fatalf("result = %+v; want OK full generation 8", r)
 	}
