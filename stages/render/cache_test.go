@@ -77,3 +77,28 @@ func chainHashes(p *bus.Plan) map[string]uint64 {
 	}
 	return out
 }
+
+// TestNodeUpdateKeepsTheCache: watch sends a new Node value on every kubelet
+// status update; one that changes nothing rules depend on must not make every
+// service render again (it used to: the Node was compared by pointer).
+func TestNodeUpdateKeepsTheCache(t *testing.T) {
+	st := SyntheticState(5, 2)
+	st.Node = node()
+	rr := NewRenderer(baseConfig())
+	rr.Render(full(st))
+	key := bus.ServiceKey{Namespace: "ns1", Name: "svc1"}
+	before := rr.cache[key]
+	same := *st.Node // an equal value at another address
+	st.Node = &same
+	rr.Render(full(st))
+	if rr.cache[key] != before {
+		t.Error("an equal Node value threw the render cache away")
+	}
+	moved := same
+	moved.Zone = "zone-b"
+	st.Node = &moved
+	rr.Render(full(st))
+	if rr.cache[key] == before {
+		t.Error("a Node in another zone kept the cached rules")
+	}
+}
