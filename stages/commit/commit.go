@@ -54,10 +54,7 @@ func lower(f bus.Family) string {
 // Run applies plans until ctx ends. It never flushes anything at start: the rules
 // a previous kpipe left keep working until a full sync replaces them.
 func (s *Stage) Run(ctx context.Context) error {
-	rules, err := nf.NewRules(s.family)
-	if err != nil {
-		return err
-	}
+	rules := s.tool
 	// A plan a previous run was applying is lost: ask for it again. (At start-up
 	// coalesce's first snapshot is a full sync anyway.)
 	if s.out.Resend != nil {
@@ -105,7 +102,7 @@ const maxChainsPerRestore = 4000
 // A large plan is written in batches: per-service chains first, in an order where a
 // chain only jumps to chains already written, and the top-level chains, which make
 // the new chains reachable, last. Each batch replaces whole chains atomically.
-func (s *Stage) apply(ctx context.Context, rules *nf.Rules, plan *bus.Plan) error {
+func (s *Stage) apply(ctx context.Context, rules nf.Tool, plan *bus.Plan) error {
 	var batches [][]byte
 	var last bytes.Buffer
 	for _, tp := range plan.Tables {
@@ -143,7 +140,7 @@ func (s *Stage) apply(ctx context.Context, rules *nf.Rules, plan *bus.Plan) erro
 		}
 	}
 	if plan.Full || plan.Refresh {
-		if err := rules.EnsureJumps(nf.Jumps(s.localnetFirewall && s.family == bus.IPv4)); err != nil {
+		if err := rules.EnsureJumps(ctx, nf.Jumps(s.localnetFirewall && s.family == bus.IPv4)); err != nil {
 			return err
 		}
 	}

@@ -331,10 +331,7 @@ func TestPeriodicRepairsDrift(t *testing.T) {
 // apply writes plan the way the commit stage does, in the current network
 // namespace.
 func apply(plan *bus.Plan) error {
-	rules, err := nf.NewRules(bus.IPv4)
-	if err != nil {
-		return err
-	}
+	rules := nf.Tool{Family: bus.IPv4}
 	s := NewStage(bus.IPv4, false, bus.NewMailbox[*bus.Plan](), Outputs{}, bus.NewBoard(),
 		bus.NewMetrics(prometheus.NewRegistry()), slog.New(slog.DiscardHandler))
 	return s.apply(context.Background(), rules, plan)
