@@ -3,10 +3,8 @@ package main
 import (
 	"context"
 	"fmt"
-	"log/slog"
 	"net/http"
 	"os"
-	"os/exec"
 
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/collectors"
@@ -15,7 +13,6 @@ import (
 	"k8s.io/client-go/tools/clientcmd"
 
 	"github.com/kpipe/kpipe/bus"
-	nf "github.com/kpipe/kpipe/netfilter"
 	"github.com/kpipe/kpipe/stages/canary"
 	"github.com/kpipe/kpipe/stages/coalesce"
 	"github.com/kpipe/kpipe/stages/commit"
@@ -124,28 +121,4 @@ func newClient(kubeconfig string) (kubernetes.Interface, error) {
 	cfg.AcceptContentTypes = "application/vnd.kubernetes.protobuf,application/json"
 	cfg.UserAgent = "kpipe"
 	return kubernetes.NewForConfig(cfg)
-}
-
-// hostFamilies lists the IP families this host can program: IPv4, and IPv6 when
-// ip6tables works.
-func hostFamilies(log *slog.Logger) []bus.Family {
-	fams := []bus.Family{bus.IPv4}
-	if err := exec.Command("ip6tables", "-w", "5", "-t", "nat", "-L", "-n").Run(); err == nil {
-		fams = append(fams, bus.IPv6)
-	} else {
-		log.Info("IPv6 disabled: ip6tables does not work here", "err", err)
-	}
-	return fams
-}
-
-// prepareHost sets the sysctls kube-proxy sets and says whether conntrack is
-// TCP-liberal (then INVALID packets are not dropped).
-func prepareHost(o *Options, log *slog.Logger) bool {
-	if o.localhostNodePorts() {
-		if err := nf.WriteSysctl("net/ipv4/conf/all/route_localnet", "1"); err != nil {
-			log.Error("NodePorts on 127.0.0.1 will not work", "err", err)
-		}
-	}
-	v, err := nf.ReadSysctl("net/netfilter/nf_conntrack_tcp_be_liberal")
-	return err == nil && v != "0"
 }
