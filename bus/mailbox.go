@@ -38,6 +38,26 @@ func (m *Mailbox[T]) Put(v T) {
 	}
 	m.value, m.full = v, true
 	m.mu.Unlock()
+	m.signal()
+}
+
+// Requeue puts back a value the consumer took and could not finish, as the OLDER
+// value: one put since is newer and wins (a merging mailbox stores
+// merge(v, waiting); a latest-wins one keeps the waiting value).
+func (m *Mailbox[T]) Requeue(v T) {
+	m.mu.Lock()
+	switch {
+	case !m.full:
+		m.value, m.full = v, true
+	case m.merge != nil:
+		m.value = m.merge(v, m.value)
+	}
+	m.mu.Unlock()
+	m.signal()
+}
+
+// signal wakes a consumer waiting in Take.
+func (m *Mailbox[T]) signal() {
 	select {
 	case m.ready <- struct{}{}:
 	default:

@@ -409,3 +409,98 @@ func TestMergingMailboxHealthCheckUpdates(t *testing.T) {
 		t.Fatalf("after a Take, the next value = %v; want only IPv6", got)
 	}
 }
+
+// staleFlowsGen is generation gen of the UDP front-ends: 10.96.0.10:53 answered by
+// an endpoint whose port is gen, and a front-end of its own gone.
+func staleFlowsGen(gen int) bus.StaleFlows {
+	return bus.StaleFlows{Family: bus.IPv4,
+		Now:  map[netip.AddrPort][]netip.AddrPort{ap("10.96.0.10:53"): {netip.AddrPortFrom(netip.MustParseAddr("10.244.1.5"), uint16(gen))}},
+		Gone: map[netip.AddrPort]bool{netip.AddrPortFrom(netip.MustParseAddr("10.96.1.1"), uint16(gen)): true}}
+}
+
+func genOf(v bus.StaleFlows) int { return int(v.Now[ap("10.96.0.10:53")][0].Port()) }
+
+// A value put back with Requeue is the older one: what was put meanwhile wins
+// (MergeStaleFlows keeps the newer endpoints), and nothing gone is forgotten.
+func TestMailboxRequeueIsOlder(t *testing.T) {
+	m := bus.NewMergingMailbox(bus.MergeStaleFlows)
+	m.Put(staleFlowsGen(1))
+	taken, _ := m.TryTake()
+	m.Put(staleFlowsGen(2)) // a commit while the consumer was failing
+	m.Requeue(taken)
+	got, ok := m.TryTake()
+	if !ok {
+		t.Fatal("nothing to take after Requeue")
+	}
+	if genOf(got) != 2 {
+		t.Errorf("after a Requeue of generation 1 over generation 2, the endpoints are generation %d's; want 2's", genOf(got))
+	}
+	for _, gen := range []int{1, 2} {
+		for k := range staleFlowsGen(gen).Gone {
+			if !got.Gone[k] {
+				t.Errorf("Gone = %v lost generation %d's %v", got.Gone, gen, k)
+			}
+		}
+	}
+
+	// Nothing waiting: the value comes back as it was.
+	m.Requeue(taken)
+	if got, ok := m.TryTake(); !ok || genOf(got) != 1 || len(got.Gone) != 1 {
+		t.Errorf("Requeue into an empty mailbox then TryTake = %v, %v; want generation 1", got, ok)
+	}
+
+	// Latest-wins: a value put back never replaces a newer one.
+	lw := bus.NewMailbox[int]()
+	lw.Put(2)
+	lw.Requeue(1)
+	if v, _ := lw.TryTake(); v != 2 {
+		t.Errorf("latest-wins Requeue(1) over 2 left %d; want 2", v)
+	}
+	lw.Requeue(1)
+	ctx, cancel := context.WithTimeout(context.Background(), within)
+	defer cancel()
+	if v, err := lw.Take(ctx); err != nil || v != 1 {
+		t.Errorf("Take after Requeue into an empty mailbox = %d, %v; want 1", v, err)
+	}
+}
+
+// With the real, order-dependent merge, a consumer that puts back what it took
+// (a failed pass) never afterwards works on endpoints older than what was put before
+// it put the value back, and at the end it has seen every gone front-end.
+func TestMergingMailboxRequeueConcurrent(t *testing.T) {
+	const gens = 3000
+	m := bus.NewMergingMailbox(bus.MergeStaleFlows)
+	var lastPut atomic.Int64
+	go func() {
+		for gen := 1; gen <= gens; gen++ {
+			m.Put(staleFlowsGen(gen))
+			lastPut.Store(int64(gen))
+		}
+	}()
+	ctx, cancel := context.WithTimeout(context.Background(), within)
+	defer cancel()
+	gone := map[netip.AddrPort]bool{}
+	floor, takes := 0, 0
+	for done := 0; done < gens; {
+		v, err := m.Take(ctx)
+		if err != nil {
+			t.Fatalf("consumer stuck after generation %d: %v", done, err)
+		}
+		takes++
+		if gen := genOf(v); gen < floor {
+			t.Fatalf("took generation %d after putting back a value when generation %d was already put", gen, floor)
+		}
+		if takes%2 == 1 {
+			floor = int(lastPut.Load()) // all of these were put before the Requeue
+			m.Requeue(v)
+			continue
+		}
+		for k := range v.Gone {
+			gone[k] = true
+		}
+		done = genOf(v)
+	}
+	if len(gone) != gens {
+		t.Errorf("consumer saw %d gone front-ends; want %d", len(gone), gens)
+	}
+}

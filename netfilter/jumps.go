@@ -1,12 +1,11 @@
 package netfilter
 
 import (
+	"context"
+	"errors"
 	"fmt"
+	"slices"
 	"strings"
-
-	"github.com/coreos/go-iptables/iptables"
-
-	"github.com/kpipe/kpipe/bus"
 )
 
 // Jump is a rule in a built-in chain that sends traffic into a kpipe chain.
@@ -40,54 +39,27 @@ func Jumps(localnetFirewall bool) []Jump {
 	return js
 }
 
-// Rules is a go-iptables handle for one family, for the few rules kpipe keeps
-// outside its own chains (jumps, canaries).
-type Rules struct{ ipt *iptables.IPTables }
-
-// NewRules makes a handle for family.
-func NewRules(family bus.Family) (*Rules, error) {
-	proto := iptables.ProtocolIPv4
-	if family == bus.IPv6 {
-		proto = iptables.ProtocolIPv6
+// spec is the rule of j, without the chain it is in.
+func (j Jump) spec() []string {
+	spec := append([]string{}, j.Match...)
+	if j.Comment != "" {
+		spec = append(spec, "-m", "comment", "--comment", j.Comment)
 	}
-	ipt, err := iptables.NewWithProtocol(proto)
-	if err != nil {
-		return nil, fmt.Errorf("open iptables for %v: %w", family, err)
-	}
-	return &Rules{ipt: ipt}, nil
-}
-
-// EnsureChain creates chain in table if it does not exist; it never flushes it.
-func (r *Rules) EnsureChain(table, chain string) error {
-	ok, err := r.ipt.ChainExists(table, chain)
-	if err != nil {
-		return fmt.Errorf("check chain %s/%s: %w", table, chain, err)
-	}
-	if ok {
-		return nil
-	}
-	if err := r.ipt.NewChain(table, chain); err != nil {
-		// Lost a race with another writer: fine if it exists now.
-		if ok, _ := r.ipt.ChainExists(table, chain); ok {
-			return nil
-		}
-		return fmt.Errorf("create chain %s/%s: %w", table, chain, err)
-	}
-	return nil
+	return append(spec, "-j", j.To)
 }
 
 // EnsureJumps makes sure every jump is in its built-in chain, inserting a missing
 // one first (as kube-proxy does). It reads each built-in chain once with -S,
 // which is cheap, and only creates chains and inserts rules for what is missing:
 // a check with -C loads the whole table, which takes ~0.2 s at 10k services.
-func (r *Rules) EnsureJumps(js []Jump) error {
+func (t Tool) EnsureJumps(ctx context.Context, js []Jump) error {
 	listed := map[string][]string{}
 	for _, j := range js {
 		key := j.Table + "/" + j.From
 		rules, ok := listed[key]
 		if !ok {
 			var err error
-			if rules, err = r.ipt.List(j.Table, j.From); err != nil {
+			if rules, err = t.ListChain(ctx, j.Table, j.From); err != nil {
 				return fmt.Errorf("list %s: %w", key, err)
 			}
 			listed[key] = rules
@@ -95,19 +67,29 @@ func (r *Rules) EnsureJumps(js []Jump) error {
 		if jumpPresent(rules, j) {
 			continue
 		}
-		if err := r.EnsureChain(j.Table, j.To); err != nil {
+		if err := t.ensureChain(ctx, j.Table, j.To); err != nil {
 			return err
 		}
-		spec := append([]string{}, j.Match...)
-		if j.Comment != "" {
-			spec = append(spec, "-m", "comment", "--comment", j.Comment)
-		}
-		spec = append(spec, "-j", j.To)
-		if err := r.ipt.InsertUnique(j.Table, j.From, 1, spec...); err != nil {
+		if err := t.insertUnique(ctx, j.Table, j.From, j.spec()); err != nil {
 			return fmt.Errorf("ensure jump %s -> %s: %w", key, j.To, err)
 		}
 	}
 	return nil
+}
+
+// insertUnique inserts rule first in chain unless chain has it already (checked
+// with -C, in case the listing was misread: a duplicate would come back at every
+// sync).
+func (t Tool) insertUnique(ctx context.Context, table, chain string, rule []string) error {
+	_, err := t.iptables(ctx, append([]string{"-t", table, "-C", chain}, rule...)...)
+	if err == nil {
+		return nil
+	}
+	if !notThere(err) {
+		return err
+	}
+	_, err = t.iptables(ctx, append([]string{"-t", table, "-I", chain, "1"}, rule...)...)
+	return err
 }
 
 // jumpPresent says whether a listed chain (iptables -S lines) has j: a rule that
@@ -129,24 +111,42 @@ func jumpPresent(rules []string, j Jump) bool {
 }
 
 // canaryRule is the one rule of a canary chain: a flush (-F) removes it even though
-// the chain itself survives.
-var canaryRule = []string{"-m", "comment", "--comment", "kpipe canary", "-j", "RETURN"}
+// the chain itself survives. canaryLine is how iptables -S prints it.
+var (
+	canaryRule = []string{"-m", "comment", "--comment", "kpipe canary", "-j", "RETURN"}
+	canaryLine = "-A " + ChainCanary + ` -m comment --comment "kpipe canary" -j RETURN`
+)
 
 // EnsureCanaries creates the canary chain, with its rule, in each table.
-func (r *Rules) EnsureCanaries(tables []string) error {
-	for _, t := range tables {
-		if err := r.EnsureChain(t, ChainCanary); err != nil {
+func (t Tool) EnsureCanaries(ctx context.Context, tables []string) error {
+	for _, table := range tables {
+		if err := t.ensureChain(ctx, table, ChainCanary); err != nil {
 			return err
 		}
-		if err := r.ipt.AppendUnique(t, ChainCanary, canaryRule...); err != nil {
-			return fmt.Errorf("ensure canary rule in %s: %w", t, err)
+		rules, err := t.ListChain(ctx, table, ChainCanary)
+		if err != nil {
+			return err
+		}
+		if slices.Contains(rules, canaryLine) {
+			continue
+		}
+		if _, err := t.iptables(ctx, append([]string{"-t", table, "-A", ChainCanary}, canaryRule...)...); err != nil {
+			return fmt.Errorf("ensure canary rule in %s: %w", table, err)
 		}
 	}
 	return nil
 }
 
-// CanaryAlive says whether table still holds the canary chain and its rule.
-func (r *Rules) CanaryAlive(table string) bool {
-	ok, err := r.ipt.Exists(table, ChainCanary, canaryRule...)
-	return err == nil && ok
+// CanaryAlive says whether table still holds the canary chain and its rule: false
+// (and no error) when the chain was deleted or flushed; an error only when
+// iptables could not answer.
+func (t Tool) CanaryAlive(ctx context.Context, table string) (bool, error) {
+	rules, err := t.ListChain(ctx, table, ChainCanary)
+	if errors.Is(err, ErrNoChain) {
+		return false, nil
+	}
+	if err != nil {
+		return false, err
+	}
+	return slices.Contains(rules, canaryLine), nil
 }

@@ -4,24 +4,15 @@ import (
 	"bufio"
 	"bytes"
 	"context"
-	"errors"
-	"fmt"
-	"os/exec"
 	"strings"
 )
-
-// ErrNoChain: the chain asked for does not exist.
-var ErrNoChain = errors.New("no such chain")
 
 // Save lists every chain of table with its rules ("-A ..." lines), as iptables-save
 // prints them.
 func (t Tool) Save(ctx context.Context, table string) (map[string][]string, error) {
-	cmd := exec.CommandContext(ctx, t.binary("-save"), "-t", table)
-	var stderr bytes.Buffer
-	cmd.Stderr = &stderr
-	out, err := cmd.Output()
+	out, err := t.runTool(ctx, t.binary("-save"), nil, "-t", table)
 	if err != nil {
-		return nil, fmt.Errorf("%s -t %s: %w: %s", t.binary("-save"), table, err, strings.TrimSpace(stderr.String()))
+		return nil, err
 	}
 	chains := map[string][]string{}
 	sc := bufio.NewScanner(bytes.NewReader(out))
@@ -43,37 +34,5 @@ func (t Tool) Save(ctx context.Context, table string) (map[string][]string, erro
 	return chains, sc.Err()
 }
 
-// ListChain lists one chain's rules ("-A ..." lines) with iptables -S, which reads
-// only that chain.
-func (t Tool) ListChain(ctx context.Context, table, chain string) ([]string, error) {
-	cmd := exec.CommandContext(ctx, t.binary(""), "-w", "5", "-t", table, "-S", chain)
-	var stderr bytes.Buffer
-	cmd.Stderr = &stderr
-	out, err := cmd.Output()
-	if err != nil {
-		msg := strings.TrimSpace(stderr.String())
-		if strings.Contains(msg, "No chain/target/match") || strings.Contains(msg, "incompatible") || strings.Contains(msg, "does not exist") {
-			return nil, fmt.Errorf("%s/%s: %w", table, chain, ErrNoChain)
-		}
-		return nil, fmt.Errorf("%s -t %s -S %s: %w: %s", t.binary(""), table, chain, err, msg)
-	}
-	var rules []string
-	for _, line := range strings.Split(string(out), "\n") {
-		if strings.HasPrefix(line, "-A ") {
-			rules = append(rules, line)
-		}
-	}
-	return rules, nil
-}
-
-// WriteSysctl sets a sysctl (see the package function).
+// WriteSysctl sets a sysctl (see the package function WriteSysctl).
 func (t Tool) WriteSysctl(name, value string) error { return WriteSysctl(name, value) }
-
-// EnsureJumps puts back any missing jump from a built-in chain.
-func (t Tool) EnsureJumps(ctx context.Context, js []Jump) error {
-	r, err := NewRules(t.Family)
-	if err != nil {
-		return err
-	}
-	return r.EnsureJumps(js)
-}

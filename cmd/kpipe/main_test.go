@@ -120,8 +120,8 @@ func TestCompleteClusterCIDRsPerFamily(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	v4 := o.renderConfig(bus.IPv4, false)
-	v6 := o.renderConfig(bus.IPv6, false)
+	v4 := o.renderConfig(bus.IPv4, hostFacts{})
+	v6 := o.renderConfig(bus.IPv6, hostFacts{})
 	if want := []netip.Prefix{netip.MustParsePrefix("10.244.0.0/16")}; !slices.Equal(v4.ClusterCIDRs, want) {
 		t.Errorf("IPv4 cluster CIDRs = %v; want %v (masked, IPv4 only)", v4.ClusterCIDRs, want)
 	}
@@ -136,7 +136,7 @@ func TestCompleteClusterCIDRsPerFamily(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if got := o.renderConfig(bus.IPv4, false).ClusterCIDRs; len(got) != 0 {
+	if got := o.renderConfig(bus.IPv4, hostFacts{}).ClusterCIDRs; len(got) != 0 {
 		t.Errorf("no --cluster-cidr gives %v; want none", got)
 	}
 }
@@ -147,7 +147,7 @@ func TestCompleteNodePortAddresses(t *testing.T) {
 		t.Fatal(err)
 	}
 	for _, f := range []bus.Family{bus.IPv4, bus.IPv6} {
-		c := o.renderConfig(f, false)
+		c := o.renderConfig(f, hostFacts{})
 		if !c.NodePortPrimary || len(c.NodePortAddresses) != 0 {
 			t.Errorf("%v: primary=%v addresses=%v; want primary and no CIDRs", f, c.NodePortPrimary, c.NodePortAddresses)
 		}
@@ -157,7 +157,7 @@ func TestCompleteNodePortAddresses(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	v4, v6 := o.renderConfig(bus.IPv4, false), o.renderConfig(bus.IPv6, false)
+	v4, v6 := o.renderConfig(bus.IPv4, hostFacts{}), o.renderConfig(bus.IPv6, hostFacts{})
 	if v4.NodePortPrimary || !slices.Equal(v4.NodePortAddresses, []netip.Prefix{netip.MustParsePrefix("192.168.0.0/24")}) {
 		t.Errorf("IPv4: primary=%v addresses=%v", v4.NodePortPrimary, v4.NodePortAddresses)
 	}
@@ -169,7 +169,7 @@ func TestCompleteNodePortAddresses(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if c := o.renderConfig(bus.IPv4, false); c.NodePortPrimary || len(c.NodePortAddresses) != 0 {
+	if c := o.renderConfig(bus.IPv4, hostFacts{}); c.NodePortPrimary || len(c.NodePortAddresses) != 0 {
 		t.Errorf("default: primary=%v addresses=%v; want every local address", c.NodePortPrimary, c.NodePortAddresses)
 	}
 }
@@ -185,7 +185,7 @@ func TestCompleteDefaults(t *testing.T) {
 	if o.CanaryInterval != 45*time.Second {
 		t.Errorf("canary interval = %v; want the sync period", o.CanaryInterval)
 	}
-	v4, v6 := o.renderConfig(bus.IPv4, true), o.renderConfig(bus.IPv6, true)
+	v4, v6 := o.renderConfig(bus.IPv4, hostFacts{conntrackLiberal: true}), o.renderConfig(bus.IPv6, hostFacts{conntrackLiberal: true})
 	if !v4.LocalhostNodePorts || v6.LocalhostNodePorts {
 		t.Errorf("localhost NodePorts v4=%v v6=%v; want IPv4 only", v4.LocalhostNodePorts, v6.LocalhostNodePorts)
 	}
@@ -197,7 +197,7 @@ func TestCompleteDefaults(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if o.renderConfig(bus.IPv4, false).LocalhostNodePorts {
+	if o.renderConfig(bus.IPv4, hostFacts{}).LocalhostNodePorts {
 		t.Error("--iptables-localhost-nodeports=false ignored")
 	}
 	if o.CanaryInterval != 3*time.Second {
@@ -214,7 +214,7 @@ func TestCompleteIsRepeatable(t *testing.T) {
 	if err := o.complete(); err != nil {
 		t.Fatal(err)
 	}
-	c := o.renderConfig(bus.IPv4, false)
+	c := o.renderConfig(bus.IPv4, hostFacts{})
 	if len(c.ClusterCIDRs) != 1 || len(c.NodePortAddresses) != 1 {
 		t.Errorf("after a second complete: cluster %v nodeport %v; want one each", c.ClusterCIDRs, c.NodePortAddresses)
 	}
@@ -245,7 +245,7 @@ func TestLocalhostNodePortsFollowNodePortAddresses(t *testing.T) {
 		if err := o.complete(); err != nil {
 			t.Fatalf("%v: %v", tc.flags, err)
 		}
-		if got := o.renderConfig(bus.IPv4, false).LocalhostNodePorts; got != tc.want {
+		if got := o.renderConfig(bus.IPv4, hostFacts{}).LocalhostNodePorts; got != tc.want {
 			t.Errorf("%v: localhost NodePorts = %v, want %v", tc.flags, got, tc.want)
 		}
 	}

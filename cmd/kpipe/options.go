@@ -166,14 +166,15 @@ func (o *Options) complete() error {
 	return nil
 }
 
-// renderConfig is render's configuration for one family.
-func (o *Options) renderConfig(f bus.Family, conntrackLiberal bool) render.Config {
+// renderConfig is render's configuration for one family on a host with facts.
+func (o *Options) renderConfig(f bus.Family, host hostFacts) render.Config {
 	return render.Config{
 		Family: f, NodeName: o.HostnameOverride, MasqueradeAll: o.MasqueradeAll, MasqueradeBit: o.MasqueradeBit,
 		DetectLocal: o.DetectLocalMode, ClusterCIDRs: ofFamily(o.clusterCIDRs, f),
 		BridgeInterface: o.PodBridgeInterface, InterfacePrefix: o.PodInterfaceprefix,
 		NodePortAddresses: ofFamily(o.nodePortCIDRs, f), NodePortPrimary: o.nodePortPrimary,
-		LocalhostNodePorts: f == bus.IPv4 && o.localhostNodePorts(), ConntrackLiberal: conntrackLiberal,
+		LocalhostNodePorts: f == bus.IPv4 && o.localhostNodePorts(), ConntrackLiberal: host.conntrackLiberal,
+		NoRandomFully: host.noRandomFully[f],
 	}
 }
 

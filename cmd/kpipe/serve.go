@@ -3,10 +3,8 @@ package main
 import (
 	"context"
 	"fmt"
-	"log/slog"
 	"net/http"
 	"os"
-	"os/exec"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -46,7 +44,7 @@ func serve(ctx context.Context, o *Options) error {
 		return err
 	}
 	families := hostFamilies(log)
-	liberal := prepareHost(o, log)
+	host := prepareHost(o, log)
 
 	reg := prometheus.NewRegistry()
 	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
@@ -74,7 +72,7 @@ func serve(ctx context.Context, o *Options) error {
 		resync[f] = bus.NewFlag()
 		resend := bus.NewFlag()
 		coalesceIO = append(coalesceIO, coalesce.Family{Family: f, Out: snapshots, Results: results, Resync: resync[f], Resend: resend})
-		rs := render.NewStage(o.renderConfig(f, liberal), snapshots, plans, resend, log.With("stage", "render-"+name))
+		rs := render.NewStage(o.renderConfig(f, host), snapshots, plans, resend, log.With("stage", "render-"+name))
 		cs := commit.NewStage(f, o.localhostNodePorts(), plans, commit.Outputs{Results: results, Resend: resend, Flows: flows, HealthChecks: checks},
 			commit.NewLedger(), nf.Tool{Family: f}, board, metrics, log.With("stage", "commit-"+name))
 		ct := conntrack.NewStage(f, flows, metrics, log.With("stage", "conntrack-"+name))
@@ -137,28 +135,4 @@ func newClient(kubeconfig string) (kubernetes.Interface, error) {
 	cfg.AcceptContentTypes = "application/vnd.kubernetes.protobuf,application/json"
 	cfg.UserAgent = "kpipe"
 	return kubernetes.NewForConfig(cfg)
-}
-
-// hostFamilies lists the IP families this host can program: IPv4, and IPv6 when
-// ip6tables works.
-func hostFamilies(log *slog.Logger) []bus.Family {
-	fams := []bus.Family{bus.IPv4}
-	if err := exec.Command("ip6tables", "-w", "5", "-t", "nat", "-L", "-n").Run(); err == nil {
-		fams = append(fams, bus.IPv6)
-	} else {
-		log.Info("IPv6 disabled: ip6tables does not work here", "err", err)
-	}
-	return fams
-}
-
-// prepareHost sets the sysctls kube-proxy sets and says whether conntrack is
-// TCP-liberal (then INVALID packets are not dropped).
-func prepareHost(o *Options, log *slog.Logger) bool {
-	if o.localhostNodePorts() {
-		if err := nf.WriteSysctl("net/ipv4/conf/all/route_localnet", "1"); err != nil {
-			log.Error("NodePorts on 127.0.0.1 will not work", "err", err)
-		}
-	}
-	v, err := nf.ReadSysctl("net/netfilter/nf_conntrack_tcp_be_liberal")
-	return err == nil && v != "0"
 }

@@ -5,6 +5,7 @@ package canary
 
 import (
 	"context"
+	"fmt"
 	"log/slog"
 	"time"
 
@@ -14,29 +15,44 @@ import (
 
 var tables = []string{nf.TableMangle, nf.TableNAT, nf.TableFilter}
 
+// maxFailures is how many checks of a family in a row may fail (iptables did not
+// answer) before the stage fails, so that the supervisor backs off and restarts it.
+const maxFailures = 3
+
+// canaries is what the stage needs from netfilter (nf.Tool).
+type canaries interface {
+	EnsureCanaries(ctx context.Context, tables []string) error
+	// CanaryAlive is false, with no error, only when the chain or its rule is gone.
+	CanaryAlive(ctx context.Context, table string) (bool, error)
+}
+
 // Stage watches the canary chains of every family.
 type Stage struct {
 	interval time.Duration
 	resync   map[bus.Family]*bus.Flag
 	log      *slog.Logger
+	tools    map[bus.Family]canaries
+	failures map[bus.Family]int // checks failed in a row
 }
 
 // NewStage makes the canary stage; resync holds the full-resync flag of each family.
 func NewStage(interval time.Duration, resync map[bus.Family]*bus.Flag, log *slog.Logger) *Stage {
-	return &Stage{interval: interval, resync: resync, log: log}
+	tools := map[bus.Family]canaries{}
+	for f := range resync {
+		tools[f] = nf.Tool{Family: f}
+	}
+	return &Stage{interval: interval, resync: resync, log: log, tools: tools, failures: map[bus.Family]int{}}
 }
 
 // Run checks the canaries every interval until ctx ends.
 func (s *Stage) Run(ctx context.Context) error {
-	handles := map[bus.Family]*nf.Rules{}
-	for f := range s.resync {
-		r, err := nf.NewRules(f)
-		if err != nil {
-			return err
-		}
-		handles[f] = r
-		if err := r.EnsureCanaries(tables); err != nil {
-			return err
+	clear(s.failures) // a restart starts the count again
+	for f, tool := range s.tools {
+		if err := tool.EnsureCanaries(ctx, tables); err != nil {
+			if ctx.Err() != nil {
+				return nil
+			}
+			return fmt.Errorf("put the %v canaries in place: %w", f, err)
 		}
 	}
 	tick := time.NewTicker(s.interval)
@@ -47,25 +63,43 @@ func (s *Stage) Run(ctx context.Context) error {
 			return nil
 		case <-tick.C:
 		}
-		for f, r := range handles {
-			if err := s.check(f, r); err != nil {
+		for f, tool := range s.tools {
+			if err := s.check(ctx, f, tool); err != nil {
+				if ctx.Err() != nil {
+					return nil
+				}
 				return err
 			}
 		}
 	}
 }
 
-func (s *Stage) check(f bus.Family, r *nf.Rules) error {
+// check asks for a full resync of family f when a canary is gone, and puts the
+// canaries back. An iptables error is not a flush (a resync would rewrite every
+// rule for nothing): it is logged and counted, and only after maxFailures in a
+// row does check fail.
+func (s *Stage) check(ctx context.Context, f bus.Family, tool canaries) error {
 	for _, t := range tables {
-		if r.CanaryAlive(t) {
+		alive, err := tool.CanaryAlive(ctx, t)
+		if err != nil {
+			s.failures[f]++
+			if s.failures[f] >= maxFailures {
+				return fmt.Errorf("check the %v canary in %s (%d failures in a row): %w", f, t, s.failures[f], err)
+			}
+			s.log.Warn("cannot check the canary; trying again at the next tick", "family", f, "table", t,
+				"failures_in_a_row", s.failures[f], "err", err)
+			return nil
+		}
+		if alive {
 			continue
 		}
 		s.log.Warn("canary gone: the tables were flushed; resyncing", "family", f, "table", t)
-		if err := r.EnsureCanaries(tables); err != nil {
-			return err
+		s.resync[f].Raise() // first: a failure to put the canary back must not lose it
+		if err := tool.EnsureCanaries(ctx, tables); err != nil {
+			return fmt.Errorf("put the %v canaries back: %w", f, err)
 		}
-		s.resync[f].Raise()
-		return nil
+		break
 	}
+	s.failures[f] = 0
 	return nil
 }

@@ -1,6 +1,7 @@
 package canary
 
 import (
+	"context"
 	"fmt"
 	"log/slog"
 	"os/exec"
@@ -23,14 +24,12 @@ func TestFlushIsNoticed(t *testing.T) {
 	netnstest.New(t).Run(t, func() error {
 		resync := bus.NewFlag()
 		s := NewStage(time.Hour, map[bus.Family]*bus.Flag{bus.IPv4: resync}, slog.New(slog.DiscardHandler))
-		rules, err := nf.NewRules(bus.IPv4)
-		if err != nil {
+		ctx := context.Background()
+		tool := nf.Tool{Family: bus.IPv4}
+		if err := tool.EnsureCanaries(ctx, tables); err != nil {
 			return err
 		}
-		if err := rules.EnsureCanaries(tables); err != nil {
-			return err
-		}
-		if err := s.check(bus.IPv4, rules); err != nil {
+		if err := s.check(ctx, bus.IPv4, tool); err != nil {
 			return err
 		}
 		if resync.Lower() {
@@ -47,15 +46,15 @@ func TestFlushIsNoticed(t *testing.T) {
 						return fmt.Errorf("iptables %v: %v %s", args, err, out)
 					}
 				}
-				if err := s.check(bus.IPv4, rules); err != nil {
+				if err := s.check(ctx, bus.IPv4, tool); err != nil {
 					return err
 				}
 				if !resync.Lower() {
 					return fmt.Errorf("iptables %v went unnoticed", flush)
 				}
 				for _, t := range tables {
-					if !rules.CanaryAlive(t) {
-						return fmt.Errorf("canary in %s not restored after iptables %v", t, flush)
+					if alive, err := tool.CanaryAlive(ctx, t); !alive || err != nil {
+						return fmt.Errorf("canary in %s not restored after iptables %v: %v", t, flush, err)
 					}
 				}
 			}

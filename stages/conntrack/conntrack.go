@@ -13,22 +13,30 @@ import (
 	nf "github.com/kpipe/kpipe/netfilter"
 )
 
+// clearer is what the stage needs from netfilter (nf.Conntrack).
+type clearer interface {
+	ClearStaleUDP(nf.StaleUDP) (int, error)
+	Close() error
+}
+
 // Stage clears stale UDP flows of one family.
 type Stage struct {
 	family  bus.Family
 	in      *bus.Mailbox[bus.StaleFlows]
 	metrics *bus.Metrics
 	log     *slog.Logger
+	dial    func() (clearer, error)
 }
 
 // NewStage makes the conntrack stage of family.
 func NewStage(family bus.Family, in *bus.Mailbox[bus.StaleFlows], metrics *bus.Metrics, log *slog.Logger) *Stage {
-	return &Stage{family: family, in: in, metrics: metrics, log: log}
+	dial := func() (clearer, error) { return nf.DialConntrack() }
+	return &Stage{family: family, in: in, metrics: metrics, log: log, dial: dial}
 }
 
 // Run clears flows after each commit that changed UDP front-ends, until ctx ends.
 func (s *Stage) Run(ctx context.Context) error {
-	ct, err := nf.DialConntrack()
+	ct, err := s.dial()
 	if err != nil {
 		return err
 	}
@@ -41,13 +49,13 @@ func (s *Stage) Run(ctx context.Context) error {
 		start := time.Now()
 		local, err := localSet()
 		if err != nil {
-			s.in.Put(flows) // keep the work for the restarted stage
+			s.in.Requeue(flows) // keep the work for the restarted stage, as older than anything put since
 			return err
 		}
 		n, err := ct.ClearStaleUDP(nf.StaleUDP{Family: s.family, Now: flows.Now, Gone: flows.Gone,
 			IsLocal: func(a netip.Addr) bool { return local[a] }})
 		if err != nil {
-			s.in.Put(flows)
+			s.in.Requeue(flows)
 			return err
 		}
 		s.metrics.ConntrackDuration.Observe(time.Since(start).Seconds())

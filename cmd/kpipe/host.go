@@ -1,0 +1,66 @@
+package main
+
+import (
+	"log/slog"
+	"os"
+	"os/exec"
+
+	"github.com/kpipe/kpipe/bus"
+	nf "github.com/kpipe/kpipe/netfilter"
+)
+
+// hostProbes are what the choice of IP families looks at; tests replace them.
+type hostProbes struct {
+	exists   func(path string) bool
+	lookPath func(file string) (string, error)
+}
+
+var realHost = hostProbes{
+	exists:   func(path string) bool { _, err := os.Stat(path); return err == nil },
+	lookPath: exec.LookPath,
+}
+
+// hostFamilies lists the IP families kpipe programs on this host.
+func hostFamilies(log *slog.Logger) []bus.Family { return familiesOf(realHost, log) }
+
+// familiesOf decides the families from what the host is, never from one run of a
+// tool: IPv4 always; IPv6 when the kernel has IPv6 and ip6tables-restore is
+// installed. A family whose tools then fail is retried by the pipeline (and shows
+// on /healthz); it is not switched off for the life of the process.
+func familiesOf(p hostProbes, log *slog.Logger) []bus.Family {
+	fams := []bus.Family{bus.IPv4}
+	kernel := p.exists("/proc/net/if_inet6") || p.exists("/proc/sys/net/ipv6")
+	_, toolErr := p.lookPath("ip6tables-restore")
+	switch {
+	case !kernel:
+		log.Info("IPv6 off: the kernel has no IPv6 (no /proc/net/if_inet6 or /proc/sys/net/ipv6)")
+	case toolErr != nil:
+		log.Info("IPv6 off: ip6tables-restore is not installed", "err", toolErr)
+	default:
+		fams = append(fams, bus.IPv6)
+	}
+	return fams
+}
+
+// hostFacts are what start-up learned about the host that render needs.
+type hostFacts struct {
+	// conntrackLiberal: conntrack is TCP-liberal (then INVALID packets are not dropped).
+	conntrackLiberal bool
+	// noRandomFully: that family's iptables cannot do MASQUERADE --random-fully.
+	noRandomFully map[bus.Family]bool
+}
+
+// prepareHost learns what render must know
+// about the host.
+func prepareHost(o *Options, log *slog.Logger) hostFacts {
+	// route_localnet is set by commit, once the rule that guards 127.0.0.0/8 is in.
+	v, err := nf.ReadSysctl("net/netfilter/nf_conntrack_tcp_be_liberal")
+	facts := hostFacts{conntrackLiberal: err == nil && v != "0", noRandomFully: map[bus.Family]bool{}}
+	for _, f := range []bus.Family{bus.IPv4, bus.IPv6} {
+		if !nf.HasRandomFully(f) {
+			facts.noRandomFully[f] = true
+			log.Info("MASQUERADE without --random-fully: this iptables does not support it", "family", f)
+		}
+	}
+	return facts
+}
