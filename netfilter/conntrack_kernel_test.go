@@ -13,7 +13,7 @@ import (
 // does not carry the IPv6 table (and the other way round).
 func TestConntrackDumpsOnlyItsFamily(t *testing.T) {
 	if _, err := exec.LookPath("conntrack"); err != nil {
-		t.Skip("conntrack not installed (go tool task setup)")
+		netnstest.Unavailable(t, "conntrack not installed (go tool task setup)")
 	}
 	netnstest.New(t).Run(t, func() error {
 		for _, args := range [][]string{
@@ -21,7 +21,7 @@ func TestConntrackDumpsOnlyItsFamily(t *testing.T) {
 			{"-I", "-p", "udp", "-s", "fd00::1", "-d", "fd00:10:96::10", "--sport", "40002", "--dport", "53", "-t", "120"},
 		} {
 			if out, err := exec.Command("conntrack", args...).CombinedOutput(); err != nil {
-				t.Skipf("conntrack %v: %v %s", args, err, out)
+				netnstest.Unavailable(t, fmt.Sprintf("conntrack %v: %v %s", args, err, out))
 			}
 		}
 		c, err := DialConntrack()

@@ -22,7 +22,7 @@ func legacy(t *testing.T, family bus.Family) Tool {
 	t.Helper()
 	tool := Tool{Family: family, backend: "-legacy"}
 	if _, err := exec.LookPath(tool.binary("")); err != nil {
-		t.Skipf("%s not installed", tool.binary(""))
+		netnstest.Unavailable(t, fmt.Sprintf("%s not installed", tool.binary("")))
 	}
 	return tool
 }
@@ -111,7 +111,7 @@ func tools(t *testing.T) []Tool {
 		}
 	}
 	if len(out) == 0 {
-		t.Skip("no iptables installed (go tool task setup)")
+		netnstest.Unavailable(t, "no iptables installed (go tool task setup)")
 	}
 	return out
 }
@@ -267,7 +267,7 @@ func TestCanaryAliveErrorIsNotFlushed(t *testing.T) {
 
 func TestHasRandomFully(t *testing.T) {
 	if _, err := exec.LookPath("iptables"); err != nil {
-		t.Skip("iptables not installed")
+		netnstest.Unavailable(t, "iptables not installed")
 	}
 	out, err := exec.Command("iptables", "--version").Output()
 	if err != nil {

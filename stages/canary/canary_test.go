@@ -19,7 +19,7 @@ import (
 // throwaway network namespace.
 func TestFlushIsNoticed(t *testing.T) {
 	if _, err := exec.LookPath("iptables"); err != nil {
-		t.Skip("iptables not installed (go tool task setup)")
+		netnstest.Unavailable(t, "iptables not installed (go tool task setup)")
 	}
 	netnstest.New(t).Run(t, func() error {
 		resync := bus.NewFlag()

@@ -5,7 +5,6 @@ import (
 	"fmt"
 	"maps"
 	"net/netip"
-	"os"
 	"testing"
 
 	"github.com/kpipe/kpipe/bus"
@@ -19,9 +18,7 @@ import (
 // itself (resync), a partial sync after one service's endpoints changed, and the
 // periodic sync (top-level chains rewritten, jumps re-ensured).
 func BenchmarkCommit(b *testing.B) {
-	if os.Geteuid() != 0 {
-		b.Skip("needs root for a network namespace")
-	}
+	netnstest.RequireRoot(b)
 	cfg := render.Config{Family: bus.IPv4, NodeName: "bench-node", MasqueradeBit: 14, DetectLocal: render.DetectClusterCIDR}
 	for _, n := range []int{1000, 10000} {
 		st := render.SyntheticState(n, 10)
@@ -79,9 +76,7 @@ func BenchmarkCommit(b *testing.B) {
 // endpoint is on this node). At 10k services this shape does not finish in
 // minutes on iptables-nft, so it is measured at 1000.
 func BenchmarkCommitKubeProxyLayout(b *testing.B) {
-	if os.Geteuid() != 0 {
-		b.Skip("needs root for a network namespace")
-	}
+	netnstest.RequireRoot(b)
 	cfg := render.Config{Family: bus.IPv4, NodeName: "bench-node", MasqueradeBit: 14, DetectLocal: render.DetectClusterCIDR}
 	st := render.SyntheticState(1000, 10)
 	for _, sl := range st.Slices {

@@ -5,7 +5,6 @@ import (
 	"fmt"
 	"log/slog"
 	"net/netip"
-	"os"
 	"os/exec"
 	"slices"
 	"strings"
@@ -221,12 +220,10 @@ func TestSplitChainsOrder(t *testing.T) {
 // A full sync big enough to be batched goes into empty tables (a fresh node). It
 // runs iptables-restore for real, in a throwaway network namespace.
 func TestApplyBatchedFullSyncIntoEmptyTables(t *testing.T) {
-	if os.Geteuid() != 0 {
-		t.Skip("needs root for a network namespace")
-	}
+	netnstest.RequireRoot(t)
 	for _, tool := range []string{"iptables-restore", "iptables-save", "iptables"} {
 		if _, err := exec.LookPath(tool); err != nil {
-			t.Skipf("%s not found", tool)
+			netnstest.Unavailable(t, fmt.Sprintf("%s not found", tool))
 		}
 	}
 	n := maxChainsPerRestore/2 + 200 // two chains per service at least
@@ -266,7 +263,7 @@ func TestApplyBatchedFullSyncIntoEmptyTables(t *testing.T) {
 // network namespace).
 func TestPeriodicRepairsDrift(t *testing.T) {
 	if _, err := exec.LookPath("iptables-restore"); err != nil {
-		t.Skip("iptables-restore not installed (go tool task setup)")
+		netnstest.Unavailable(t, "iptables-restore not installed (go tool task setup)")
 	}
 	cfg := render.Config{Family: bus.IPv4, NodeName: "n", MasqueradeBit: 14, DetectLocal: render.DetectClusterCIDR}
 	st := render.SyntheticState(3, 2)

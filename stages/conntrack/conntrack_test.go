@@ -2,6 +2,7 @@ package conntrack
 
 import (
 	"context"
+	"fmt"
 	"log/slog"
 	"net/netip"
 	"syscall"
@@ -45,7 +46,7 @@ func TestStageClearsStaleUDPFlows(t *testing.T) {
 	netnstest.New(t).Run(t, func() error {
 		conn, err := ct.Dial(nil)
 		if err != nil {
-			t.Skipf("conntrack netlink: %v", err)
+			netnstest.Unavailable(t, fmt.Sprintf("conntrack netlink: %v", err))
 		}
 		defer conn.Close()
 		// Loopback up: 127.0.0.1 is then this host's address, where node ports answer.
@@ -54,7 +55,7 @@ func TestStageClearsStaleUDPFlows(t *testing.T) {
 			err = netlink.LinkSetUp(lo)
 		}
 		if err != nil {
-			t.Skipf("loopback: %v", err)
+			netnstest.Unavailable(t, fmt.Sprintf("loopback: %v", err))
 		}
 		flows := map[string]ct.Flow{
 			"current endpoint":  flow(syscall.IPPROTO_UDP, "10.0.0.1:40001", "10.96.0.10:53", "10.244.1.5:53"),
@@ -70,7 +71,7 @@ func TestStageClearsStaleUDPFlows(t *testing.T) {
 		}
 		for name, f := range flows {
 			if err := conn.Create(f); err != nil {
-				t.Skipf("cannot create a conntrack flow (%s): %v", name, err)
+				netnstest.Unavailable(t, fmt.Sprintf("cannot create a conntrack flow (%s): %v", name, err))
 			}
 		}
 

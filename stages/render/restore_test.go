@@ -8,17 +8,17 @@ import (
 	"path/filepath"
 	"strings"
 	"testing"
+
+	"github.com/kpipe/kpipe/netfilter/netnstest"
 )
 
 // TestGoldenPayloadsRestore feeds every golden payload to the real
 // iptables-restore (or ip6tables-restore) in a throwaway network namespace, so a
 // rule the kernel or iptables would refuse fails here, not on a node.
 func TestGoldenPayloadsRestore(t *testing.T) {
-	if os.Geteuid() != 0 {
-		t.Skip("needs root for a network namespace")
-	}
+	netnstest.RequireRoot(t)
 	if _, err := exec.LookPath("iptables-restore"); err != nil {
-		t.Skip("iptables-restore not installed (go tool task setup)")
+		netnstest.Unavailable(t, "iptables-restore not installed (go tool task setup)")
 	}
 	files, err := filepath.Glob("testdata/*.golden")
 	if err != nil || len(files) == 0 {
