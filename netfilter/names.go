@@ -35,8 +35,9 @@ const (
 )
 
 // Prefixes of the per-service-port chains. kpipe writes a KUBE-SEP- chain only for
-// endpoints on this node (remote endpoints are inline DNAT rules); the ones
-// kube-proxy left for remote endpoints are deleted by the first full sync.
+// endpoints that may be pods on this node (their nodeName is this node or unset,
+// or their address is in this node's pod CIDRs); other endpoints are inline DNAT
+// rules, and the chains kube-proxy left for them are deleted by the first full sync.
 const (
 	PrefixService      = "KUBE-SVC-"
 	PrefixServiceLocal = "KUBE-SVL-"

@@ -62,6 +62,10 @@ func TestGolden(t *testing.T) {
 	allA.HintZones, allB.HintZones = []string{"zone-a"}, []string{"zone-b"}
 	allEPs := slice(all, "all-1", []bus.EndpointPort{eport("http", bus.TCP, 8080), eport("dns", bus.UDP, 5353)}, allA, allB, allT)
 
+	hairpin := svc("demo", "hairpin", "10.96.0.110", port("http", bus.TCP, 80))
+	hairpinEPs := slice(hairpin, "hairpin-1", []bus.EndpointPort{eport("http", bus.TCP, 8080)},
+		ep("10.244.2.6", ""), ep("10.244.1.7", "node-b"), ep("10.244.3.8", "node-c"))
+
 	v6 := &bus.Service{ServiceKey: bus.ServiceKey{Namespace: "demo", Name: "v6"}, ClusterIPs: []netip.Addr{ip("10.96.0.100"), ip("fd00:10:96::100")},
 		Ports: []bus.Port{{Name: "http", Protocol: bus.TCP, Port: 80, NodePort: 30100}}}
 	v6EPs := slice(v6, "v6-1", []bus.EndpointPort{eport("http", bus.TCP, 8080)}, ep("fd00:10:244:1::5", testNode), ep("fd00:10:244:2::6", "node-b"))
@@ -90,6 +94,7 @@ func TestGolden(t *testing.T) {
 		{"terminating", cfg, state(node(), term, termEPs)},
 		{"topology-zone", cfg, state(node(), zoned, zonedEPs)},
 		{"all-features", cfg, state(node(), all, allEPs)},
+		{"hairpin-maybe-local", cfg, state(node(), hairpin, hairpinEPs)},
 		{"ipv6", with(func(c *Config) {
 			c.Family, c.ClusterCIDRs, c.LocalhostNodePorts = bus.IPv6, []netip.Prefix{prefix("fd00:10:244::/48")}, false
 		}), state(v6Node, v6, v6EPs)},
@@ -305,5 +310,98 @@ func TestBuckets(t *testing.T) {
 	third := Render(baseConfig(), &bus.Snapshot{State: state(node(), a, aEPs), Committed: second.Programmed})
 	if !slices.Contains(tableOf(third, "nat").Delete, bBucket) {
 		t.Errorf("empty bucket %s not deleted: %v", bBucket, tableOf(third, "nat").Delete)
+	}
+}
+
+// TestHairpinEndpointsGetMasqueradeChain: an endpoint that may be a pod on this
+// node (on this node, with no nodeName, or inside this node's pod CIDR) gets a
+// KUBE-SEP- chain that masquerades traffic it sends to itself; a pod known to be
+// elsewhere stays an inline DNAT. Which endpoints count as local for the
+// traffic policies does not change: only nodeName says that.
+func TestHairpinEndpointsGetMasqueradeChain(t *testing.T) {
+	s := svc("ns", "hp", "10.96.0.1", bus.Port{Name: "http", Protocol: bus.TCP, Port: 80, NodePort: 30080})
+	s.ExternalPolicyLocal, s.HealthCheckNodePort = true, 32000
+	noNode := ep("10.244.2.6", "")       // no nodeName, outside this node's pod CIDR
+	inCIDR := ep("10.244.1.7", "node-b") // says another node, but in this node's pod CIDR
+	eps := slice(s, "hp-1", []bus.EndpointPort{eport("http", bus.TCP, 8080)},
+		ep("10.244.1.5", testNode), noNode, inCIDR, ep("10.244.3.8", "node-c"))
+	p := Render(baseConfig(), full(state(node(), s, eps)))
+	checkConsistent(t, p)
+	out := payload(p)
+	name := s.PortName(s.Ports[0])
+	for _, addr := range []string{"10.244.1.5", "10.244.2.6", "10.244.1.7"} {
+		sep := nf.EndpointName(name, addr+":8080")
+		want := "-A " + sep + " -m comment --comment \"ns/hp:http\" -s " + addr + "/32 -j KUBE-MARK-MASQ\n"
+		if !strings.Contains(out, want) {
+			t.Errorf("endpoint %s has no hairpin masquerade %q:\n%s", addr, want, out)
+		}
+		if !strings.Contains(out, "-j "+sep+"\n") {
+			t.Errorf("the cluster policy chain does not jump to %s for %s:\n%s", sep, addr, out)
+		}
+	}
+	remote := nf.EndpointName(name, "10.244.3.8:8080")
+	if strings.Contains(out, remote) {
+		t.Errorf("endpoint 10.244.3.8 on node-c got a KUBE-SEP- chain:\n%s", out)
+	}
+	if !strings.Contains(out, "-j DNAT --to-destination 10.244.3.8:8080") {
+		t.Errorf("endpoint 10.244.3.8 on node-c is not an inline DNAT:\n%s", out)
+	}
+	// The Local policy still only uses the endpoint whose nodeName is this node.
+	svl := nf.ServiceChain(nf.PrefixServiceLocal, name)
+	var svlRules []string
+	for _, line := range strings.Split(out, "\n") {
+		if strings.HasPrefix(line, "-A "+svl+" ") {
+			svlRules = append(svlRules, line)
+		}
+	}
+	if len(svlRules) != 1 || !strings.Contains(svlRules[0], nf.EndpointName(name, "10.244.1.5:8080")) {
+		t.Errorf("local policy chain %s = %q, want only 10.244.1.5", svl, svlRules)
+	}
+	if got := p.HealthChecks.Services[s.ServiceKey].LocalEndpoints; got != 1 {
+		t.Errorf("health check counts %d local endpoints, want 1", got)
+	}
+}
+
+// TestFirewallNodeExceptionOnlyPrimaryIP: the firewall chain lets the node's own
+// looped-back requests (source: the VIP) through only when a source range holds
+// the node's primary IP of the family, as kube-proxy does; a range that holds
+// only another node address does not.
+func TestFirewallNodeExceptionOnlyPrimaryIP(t *testing.T) {
+	lb := func(family bus.Family, sourceRange string) (Config, bus.State, string) {
+		cfg := baseConfig()
+		n := node()
+		n.Addrs = []netip.Addr{ip("192.168.1.10"), ip("2001:db8::10"), ip("172.16.0.5"), ip("2001:db8:1::20")}
+		s := svc("ns", "lb", "10.96.0.30", bus.Port{Name: "https", Protocol: bus.TCP, Port: 443, NodePort: 30443})
+		vip, epAddr := "198.51.100.50", "10.244.2.6"
+		if family == bus.IPv6 {
+			cfg.Family, cfg.ClusterCIDRs, cfg.LocalhostNodePorts = bus.IPv6, []netip.Prefix{prefix("fd00:10:244::/48")}, false
+			s.ClusterIPs = []netip.Addr{ip("fd00:10:96::30")}
+			vip, epAddr = "2001:db8:ff::50", "fd00:10:244:2::6"
+		}
+		s.LoadBalancerIPs = []netip.Addr{ip(vip)}
+		s.LoadBalancerSourceRanges = []netip.Prefix{prefix(sourceRange)}
+		eps := slice(s, "lb-1", []bus.EndpointPort{eport("https", bus.TCP, 8443)}, ep(epAddr, "node-b"))
+		return cfg, state(n, s, eps), hostCIDR(ip(vip))
+	}
+	for _, tc := range []struct {
+		family      bus.Family
+		sourceRange string
+		allowNode   bool
+	}{
+		{bus.IPv4, "192.168.1.0/24", true},
+		{bus.IPv4, "172.16.0.0/16", false},
+		{bus.IPv6, "2001:db8::/64", true},
+		{bus.IPv6, "2001:db8:1::/48", false},
+	} {
+		cfg, st, vip := lb(tc.family, tc.sourceRange)
+		out := payload(Render(cfg, full(st)))
+		fw := nf.ServiceChain(nf.PrefixFirewall, bus.ServicePortName{ServiceKey: bus.ServiceKey{Namespace: "ns", Name: "lb"}, Port: "https", Protocol: bus.TCP})
+		if !strings.Contains(out, "-A "+fw+" ") {
+			t.Fatalf("%v %s: no firewall chain:\n%s", tc.family, tc.sourceRange, out)
+		}
+		got := strings.Contains(out, "-s "+vip+" -j KUBE-EXT-")
+		if got != tc.allowNode {
+			t.Errorf("%v source range %s: node exception (-s %s) written = %v, want %v:\n%s", tc.family, tc.sourceRange, vip, got, tc.allowNode, out)
+		}
 	}
 }

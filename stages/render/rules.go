@@ -163,7 +163,11 @@ func (r *renderer) writeServicePort(svc *bus.Service, port bus.Port) {
 	sp.extLocal = svc.ExternalPolicyLocal && sp.externally
 	usesCluster := !sp.intLocal || sp.externally
 	usesLocal := sp.intLocal || sp.extLocal
-	eps := endpointsFor(r.snap.State.Slices[svc.ServiceKey], r.cfg.Family, port, r.cfg.NodeName)
+	var podCIDRs []netip.Prefix
+	if node := r.snap.State.Node; node != nil {
+		podCIDRs = node.PodCIDRs
+	}
+	eps := endpointsFor(r.snap.State.Slices[svc.ServiceKey], r.cfg.Family, port, r.cfg.NodeName, podCIDRs)
 	sp.endpoints = categorize(eps, usesCluster, usesLocal, r.cfg.NodeName, r.zone)
 	r.writeRules(sp)
 }
@@ -321,17 +325,19 @@ func (r *renderer) writeRules(sp *servicePort) {
 func (r *renderer) writeEndpoints(sp *servicePort, chain string, eps []endpoint) {
 	r.nat.declare(chain)
 	affinity := sp.svc.AffinitySeconds > 0
-	// Each endpoint is either an inline DNAT or, for an endpoint on this node, a jump
-	// to its own KUBE-SEP- chain: only a local pod can be sent back to itself
-	// (hairpin), and only that case must be masqueraded, so the reply comes back
-	// through the node. Remote endpoints need no chain: iptables-restore --noflush
-	// on nf_tables costs much more per chain than per rule.
+	// Each endpoint is either an inline DNAT or, for an endpoint that may be a pod
+	// on this node, a jump to its own KUBE-SEP- chain: only a local pod can be sent
+	// back to itself (hairpin), and only that case must be masqueraded, so the reply
+	// comes back through the node. An endpoint without a nodeName, or inside this
+	// node's pod CIDRs, may be local too. Endpoints known to be elsewhere need no
+	// chain: iptables-restore --noflush on nf_tables costs much more per chain than
+	// per rule.
 	target := make([][]string, len(eps))
 	recent := make([]string, len(eps))
 	for i, e := range eps {
 		sep := nf.EndpointName(sp.name, e.addr.String())
 		recent[i] = sep // kube-proxy names the affinity list after the endpoint chain
-		if e.local {
+		if e.hairpin {
 			r.writeEndpointChain(sp, sep, e, affinity)
 			target[i] = []string{"-j", sep}
 		} else {
@@ -344,7 +350,7 @@ func (r *renderer) writeEndpoints(sp *servicePort, chain string, eps []endpoint)
 			// A returning client renews its affinity: the KUBE-SEP- chain does that
 			// with --set; an inline DNAT with --update (check and set in one).
 			check := "--update"
-			if e.local {
+			if e.hairpin {
 				check = "--rcheck"
 			}
 			r.nat.rule(chain, comment(sp.label+" -> "+e.addr.String()),
@@ -356,14 +362,14 @@ func (r *renderer) writeEndpoints(sp *servicePort, chain string, eps []endpoint)
 		if n := len(eps) - i; n > 1 {
 			pick = []string{"-m", "statistic", "--mode", "random", "--probability", probability(n)}
 		}
-		if affinity && !e.local {
+		if affinity && !e.hairpin {
 			set = []string{"-m", "recent", "--name", recent[i], "--set"}
 		}
 		r.nat.rule(chain, comment(sp.label+" -> "+e.addr.String()), pick, set, sp.proto, target[i])
 	}
 }
 
-// writeEndpointChain writes the KUBE-SEP- chain of a local endpoint (once, even when
+// writeEndpointChain writes the KUBE-SEP- chain of a possibly local endpoint (once, even when
 // both the cluster and the local policy chain use it).
 func (r *renderer) writeEndpointChain(sp *servicePort, sep string, e endpoint, affinity bool) {
 	if _, done := r.nat.chains[sep]; done {
