@@ -302,7 +302,7 @@ func (r *renderer) writeRules(sp *servicePort) {
 		allowNode := false
 		for _, src := range sp.sources {
 			r.nat.rule(sp.fwChain, args, []string{"-s", src.String(), "-j", sp.extChain})
-			allowNode = allowNode || r.nodeIPIn(src)
+			allowNode = allowNode || r.primaryIPIn(src)
 		}
 		if allowNode {
 			// A request from the node to a VIP that is a local address loops back
@@ -400,12 +400,12 @@ func countReadyLocal(eps []endpoint) int {
 	return n
 }
 
-func (r *renderer) nodeIPIn(p netip.Prefix) bool {
+// primaryIPIn says whether p holds the node's primary IP of this family (its first
+// address of the family), the one address kube-proxy checks source ranges against.
+func (r *renderer) primaryIPIn(p netip.Prefix) bool {
 	if node := r.snap.State.Node; node != nil {
-		for _, a := range node.Addrs {
-			if p.Contains(a) {
-				return true
-			}
+		if ips := r.ofFamily(node.Addrs); len(ips) > 0 {
+			return p.Contains(ips[0])
 		}
 	}
 	return false
