@@ -405,3 +405,43 @@ func TestFirewallNodeExceptionOnlyPrimaryIP(t *testing.T) {
 		}
 	}
 }
+
+// TestHealthCheckAddrs: healthCheckNodePort servers listen where --nodeport-addresses
+// says, as kube-proxy's do: every address when it is unset, else the local
+// addresses of this family it selects, loopback included (kube-proxy's health
+// check servers listen on whatever the flag matches), and nowhere when it matches
+// nothing.
+func TestHealthCheckAddrs(t *testing.T) {
+	st := withAddrs(state(node()), "192.168.1.10", "10.0.0.1", "127.0.0.1", "fd00::1", "::1")
+	v6Node := node()
+	v6Node.Addrs = []netip.Addr{ip("192.168.1.10"), ip("2001:db8::10")}
+	v6 := func(c *Config) { c.Family, c.ClusterCIDRs, c.LocalhostNodePorts = bus.IPv6, nil, false }
+	for _, tc := range []struct {
+		name   string
+		change func(*Config)
+		st     bus.State
+		want   []netip.Addr
+	}{
+		{"unset: every address", func(*Config) {}, st, nil},
+		{"cidrs", func(c *Config) {
+			c.NodePortAddresses = []netip.Prefix{prefix("192.168.1.0/24"), prefix("127.0.0.0/8")}
+		}, st, []netip.Addr{ip("127.0.0.1"), ip("192.168.1.10")}},
+		{"cidrs without localhost nodeports", func(c *Config) {
+			c.NodePortAddresses, c.LocalhostNodePorts = []netip.Prefix{prefix("192.168.1.0/24"), prefix("127.0.0.0/8")}, false
+		}, st, []netip.Addr{ip("127.0.0.1"), ip("192.168.1.10")}},
+		{"cidrs matching nothing", func(c *Config) { c.NodePortAddresses = []netip.Prefix{prefix("172.16.0.0/12")} }, st, []netip.Addr{}},
+		{"ipv6 cidrs", func(c *Config) { v6(c); c.NodePortAddresses = []netip.Prefix{prefix("fd00::/8"), prefix("::1/128")} }, st, []netip.Addr{ip("::1"), ip("fd00::1")}},
+		{"zero cidr: every address", func(c *Config) { c.NodePortAddresses = []netip.Prefix{prefix("192.168.1.0/24"), prefix("0.0.0.0/0")} }, st, nil},
+		{"primary", func(c *Config) { c.NodePortPrimary = true }, st, []netip.Addr{ip("192.168.1.10")}},
+		{"ipv6 primary", func(c *Config) { v6(c); c.NodePortPrimary = true }, state(v6Node), []netip.Addr{ip("2001:db8::10")}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			cfg := baseConfig()
+			tc.change(&cfg)
+			got := newRenderer(cfg, full(tc.st)).healthCheckAddrs()
+			if (got == nil) != (tc.want == nil) || !slices.Equal(got, tc.want) {
+				t.Errorf("health check addresses = %v (nil: %v), want %v (nil: %v)", got, got == nil, tc.want, tc.want == nil)
+			}
+		})
+	}
+}

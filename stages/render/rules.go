@@ -490,6 +490,11 @@ func (r *renderer) writeNodePortsTail() {
 	}
 }
 
+// healthCheckAddrs lists the addresses healthCheckNodePort servers listen on (nil:
+// every address): what --nodeport-addresses selects, loopback included, as
+// kube-proxy's service health server listens on every address the flag matches.
+func (r *renderer) healthCheckAddrs() []netip.Addr { return r.nodePortIPs() }
+
 // nodePortIPs lists the addresses NodePorts answer on, or nil for "every local address".
 func (r *renderer) nodePortIPs() []netip.Addr {
 	switch {
@@ -502,6 +507,9 @@ func (r *renderer) nodePortIPs() []netip.Addr {
 		}
 		return out
 	case len(r.cfg.NodePortAddresses) > 0:
+		if slices.ContainsFunc(r.cfg.NodePortAddresses, func(p netip.Prefix) bool { return p.Bits() == 0 }) {
+			return nil // 0.0.0.0/0 or ::/0: kube-proxy matches every address
+		}
 		out := []netip.Addr{}
 		for _, a := range r.ofFamily(r.snap.State.LocalAddrs) {
 			for _, p := range r.cfg.NodePortAddresses {
