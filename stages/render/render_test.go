@@ -290,27 +290,66 @@ func TestRefreshRewritesTopLevelChains(t *testing.T) {
 	}
 }
 
-// TestBuckets: KUBE-SERVICES sends each /24 of service addresses to its own
-// bucket chain; a service in a new /24 adds a bucket (and a KUBE-SERVICES rule),
-// and the bucket goes when its last service does.
+// TestBuckets: KUBE-SERVICES dispatches by /16, then /20, to a bucket chain per
+// /24 that holds the service rules. A service in a new /24 adds its bucket and a
+// jump in its /20's chain, and leaves KUBE-SERVICES alone; one in a new /16 adds
+// a chain on every level; a chain goes when its last service does.
 func TestBuckets(t *testing.T) {
 	a := svc("ns", "a", "10.96.1.1", port("http", bus.TCP, 80))
 	b := svc("ns", "b", "10.96.2.1", port("http", bus.TCP, 80))
+	c := svc("ns", "c", "10.100.7.1", port("http", bus.TCP, 80))
 	aEPs := slice(a, "a-1", []bus.EndpointPort{eport("http", bus.TCP, 8080)}, ep("10.244.2.5", "node-b"))
 	bEPs := slice(b, "b-1", []bus.EndpointPort{eport("http", bus.TCP, 8080)}, ep("10.244.2.6", "node-b"))
+	cEPs := slice(c, "c-1", []bus.EndpointPort{eport("http", bus.TCP, 8080)}, ep("10.244.2.7", "node-b"))
+	chain := func(p string) string { return nf.BucketChain(prefix(p)) }
+	jump := func(from, to string) string {
+		return "-A " + from + " -m comment --comment \"services in " + to + "\" -d " + to + " -j " + chain(to) + "\n"
+	}
 	first := Render(baseConfig(), full(state(node(), a, aEPs)))
+	for _, want := range []string{jump(nf.ChainServices, "10.96.0.0/16"), jump(chain("10.96.0.0/16"), "10.96.0.0/20"), jump(chain("10.96.0.0/20"), "10.96.1.0/24")} {
+		if !strings.Contains(payload(first), want) {
+			t.Errorf("no dispatch %q:\n%s", want, payload(first))
+		}
+	}
+
 	second := Render(baseConfig(), &bus.Snapshot{State: state(node(), a, b, aEPs, bEPs), Committed: first.Programmed})
 	bBucket := nf.BucketChain(nf.Bucket(b.ClusterIPs[0]))
-	if got := declared(second, "nat"); !slices.Contains(got, bBucket) || !slices.Contains(got, nf.ChainServices) {
-		t.Errorf("a service in a new /24 rewrote %v; want its bucket %s and KUBE-SERVICES", got, bBucket)
+	if bBucket != chain("10.96.2.0/24") {
+		t.Fatalf("bucket of %s = %s, want the chain of 10.96.2.0/24", b.ClusterIPs[0], bBucket)
 	}
-	if !strings.Contains(payload(second), "-A KUBE-SERVICES -m comment --comment \"services in 10.96.2.0/24\" -d 10.96.2.0/24 -j "+bBucket) {
-		t.Errorf("no dispatch to the new bucket:\n%s", payload(second))
+	wantRewritten := []string{bBucket, chain("10.96.0.0/20"), nf.ServiceChain(nf.PrefixService, b.PortName(b.Ports[0]))}
+	if got := declared(second, "nat"); !sameSet(got, wantRewritten) {
+		t.Errorf("a service in a new /24 rewrote %v; want only %v (its bucket, its /20 and its service chain)", got, wantRewritten)
 	}
-	third := Render(baseConfig(), &bus.Snapshot{State: state(node(), a, aEPs), Committed: second.Programmed})
-	if !slices.Contains(tableOf(third, "nat").Delete, bBucket) {
-		t.Errorf("empty bucket %s not deleted: %v", bBucket, tableOf(third, "nat").Delete)
+	if want := jump(chain("10.96.0.0/20"), "10.96.2.0/24"); !strings.Contains(payload(second), want) {
+		t.Errorf("no dispatch to the new bucket %q:\n%s", want, payload(second))
 	}
+
+	third := Render(baseConfig(), &bus.Snapshot{State: state(node(), a, b, c, aEPs, bEPs, cEPs), Committed: second.Programmed})
+	newChains := []string{chain("10.100.0.0/16"), chain("10.100.0.0/20"), chain("10.100.7.0/24")}
+	for _, want := range []string{jump(nf.ChainServices, "10.100.0.0/16"), jump(newChains[0], "10.100.0.0/20"), jump(newChains[1], "10.100.7.0/24")} {
+		if !strings.Contains(payload(third), want) {
+			t.Errorf("a service in a new /16: no dispatch %q:\n%s", want, payload(third))
+		}
+	}
+
+	fourth := Render(baseConfig(), &bus.Snapshot{State: state(node(), a, aEPs), Committed: third.Programmed})
+	deleted := tableOf(fourth, "nat").Delete
+	for _, gone := range append(newChains, bBucket) {
+		if !slices.Contains(deleted, gone) {
+			t.Errorf("empty chain %s not deleted: %v", gone, deleted)
+		}
+	}
+	if slices.Contains(deleted, chain("10.96.0.0/20")) || slices.Contains(deleted, chain("10.96.0.0/16")) {
+		t.Errorf("a dispatch chain that still leads to a service was deleted: %v", deleted)
+	}
+}
+
+func sameSet(a, b []string) bool {
+	a, b = slices.Clone(a), slices.Clone(b)
+	slices.Sort(a)
+	slices.Sort(b)
+	return slices.Equal(a, b)
 }
 
 // TestHairpinEndpointsGetMasqueradeChain: an endpoint that may be a pod on this
@@ -442,6 +481,56 @@ func TestHealthCheckAddrs(t *testing.T) {
 			if (got == nil) != (tc.want == nil) || !slices.Equal(got, tc.want) {
 				t.Errorf("health check addresses = %v (nil: %v), want %v (nil: %v)", got, got == nil, tc.want, tc.want == nil)
 			}
+		})
+	}
+}
+
+// maxDispatch is the most dispatch rules (jumps to bucket chains) one chain may
+// hold when service addresses fill a /12 (IPv6: a /108): a new connection walks
+// at most this many rules at each level before it reaches its bucket.
+const maxDispatch = 16
+
+// TestDispatchWalkIsShort: with 10k ClusterIPs at random over the service CIDR,
+// as the apiserver allocates them, every list of bucket jumps a new connection
+// walks is short, and so is its whole walk to its service's rule.
+func TestDispatchWalkIsShort(t *testing.T) {
+	for _, family := range []bus.Family{bus.IPv4, bus.IPv6} {
+		t.Run(family.String(), func(t *testing.T) {
+			cfg := baseConfig()
+			if family == bus.IPv6 {
+				cfg.Family, cfg.ClusterCIDRs, cfg.LocalhostNodePorts = bus.IPv6, []netip.Prefix{prefix("fd00:10:244::/48")}, false
+			}
+			st := SyntheticStateOf(family, 10000, 1)
+			p := Render(cfg, full(st))
+			checkConsistent(t, p)
+			rules := natRules(p)
+			longestBucket := 0
+			for chain, lines := range rules {
+				dispatch := 0
+				for _, line := range lines {
+					if strings.Contains(line, " -j "+nf.PrefixBucket) {
+						dispatch++
+					}
+				}
+				if dispatch > maxDispatch {
+					t.Errorf("%s holds %d bucket jumps; want at most %d", chain, dispatch, maxDispatch)
+				}
+				if dispatch == 0 && strings.HasPrefix(chain, nf.PrefixBucket) {
+					longestBucket = max(longestBucket, len(lines))
+				}
+			}
+			worst, total := 0, 0
+			for _, s := range st.Services {
+				n, ok := walk(rules, netip.AddrPortFrom(s.ClusterIPs[0], 80))
+				if !ok {
+					t.Fatalf("a connection to %s:80 (%s) reaches no service chain", s.ClusterIPs[0], s.ServiceKey)
+				}
+				worst, total = max(worst, n), total+n
+			}
+			if limit := 3*maxDispatch + longestBucket; worst > limit {
+				t.Errorf("a new connection walks up to %d rules; want at most %d (three dispatch levels and a bucket of %d)", worst, limit, longestBucket)
+			}
+			t.Logf("walk: longest %d rules, mean %.1f; longest bucket %d rules", worst, float64(total)/float64(len(st.Services)), longestBucket)
 		})
 	}
 }

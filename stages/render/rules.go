@@ -453,17 +453,41 @@ func (r *renderer) bucket(addr netip.Addr) string {
 	return nf.BucketChain(p)
 }
 
-// writeBuckets sends traffic from KUBE-SERVICES to the bucket of its destination:
-// buckets hold disjoint addresses, so each packet enters at most one, and one
-// that matches nothing there comes back and goes on to the NodePort rule.
+// writeBuckets sends traffic from KUBE-SERVICES down to the bucket of its
+// destination through the dispatch chains above it (netfilter.PrefixBucket): a
+// chain's jumps go to disjoint prefixes, so a packet enters at most one chain per
+// level, and one that matches nothing there comes back and goes on to the
+// NodePort rule. The buckets were filled by the services; the dispatch chains are
+// written here, once per snapshot.
 func (r *renderer) writeBuckets() {
-	prefixes := make([]netip.Prefix, 0, len(r.buckets))
-	for p := range r.buckets {
-		prefixes = append(prefixes, p)
+	children := map[netip.Prefix][]netip.Prefix{} // the zero Prefix: KUBE-SERVICES
+	seen := map[netip.Prefix]bool{}
+	for leaf := range r.buckets {
+		for p := leaf; !seen[p]; {
+			seen[p] = true
+			parent, ok := nf.BucketParent(p)
+			children[parent] = append(children[parent], p)
+			if !ok {
+				break
+			}
+			p = parent
+		}
 	}
-	slices.SortFunc(prefixes, func(a, b netip.Prefix) int { return a.Addr().Compare(b.Addr()) })
-	for _, p := range prefixes {
-		r.nat.rule(nf.ChainServices, comment("services in "+p.String()), []string{"-d", p.String(), "-j", nf.BucketChain(p)})
+	r.writeDispatch(nf.ChainServices, netip.Prefix{}, children)
+}
+
+// writeDispatch writes chain's jumps to the chains of its children prefixes, in
+// address order, and then theirs.
+func (r *renderer) writeDispatch(chain string, p netip.Prefix, children map[netip.Prefix][]netip.Prefix) {
+	kids := children[p]
+	slices.SortFunc(kids, func(a, b netip.Prefix) int { return a.Addr().Compare(b.Addr()) })
+	for _, k := range kids {
+		r.nat.rule(chain, comment("services in "+k.String()), []string{"-d", k.String(), "-j", nf.BucketChain(k)})
+	}
+	for _, k := range kids {
+		if len(children[k]) > 0 {
+			r.writeDispatch(nf.BucketChain(k), k, children)
+		}
 	}
 }
 
