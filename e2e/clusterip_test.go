@@ -409,7 +409,7 @@ func TestPeriodicSyncRepairsDeletedRules(t *testing.T) {
 
 	nat := e.iptablesSave("nat")
 	ip := net.ParseIP(svc.Spec.ClusterIP).To4()
-	bucket := fmt.Sprintf(`"services in %d.%d.%d.0/24"`, ip[0], ip[1], ip[2])
+	bucket := fmt.Sprintf(`"services in %d.%d.0.0/16"`, ip[0], ip[1])
 	serviceRule := ""
 	for _, l := range strings.Split(nat, "\n") {
 		if strings.HasPrefix(l, "-A KUBE-SERVICES ") && strings.Contains(l, bucket) {

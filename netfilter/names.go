@@ -7,6 +7,8 @@ import (
 	"crypto/sha256"
 	"encoding/base32"
 	"net/netip"
+	"slices"
+	"strconv"
 	"strings"
 
 	"github.com/kpipe/kpipe/bus"
@@ -35,21 +37,26 @@ const (
 )
 
 // Prefixes of the per-service-port chains. kpipe writes a KUBE-SEP- chain only for
-// endpoints on this node (remote endpoints are inline DNAT rules); the ones
-// kube-proxy left for remote endpoints are deleted by the first full sync.
+// endpoints that may be pods on this node (their nodeName is this node or unset,
+// or their address is in this node's pod CIDRs); other endpoints are inline DNAT
+// rules, and the chains kube-proxy left for them are deleted by the first full sync.
 const (
 	PrefixService      = "KUBE-SVC-"
 	PrefixServiceLocal = "KUBE-SVL-"
 	PrefixExternal     = "KUBE-EXT-"
 	PrefixFirewall     = "KUBE-FW-"
 	PrefixEndpoint     = "KUBE-SEP-"
-	// PrefixBucket names the chains KUBE-SERVICES dispatches to by destination
-	// (one per IPv4 /24 or IPv6 /120 that holds service addresses), so adding a
-	// service rewrites a few hundred rules instead of all of KUBE-SERVICES, and a
-	// new connection walks two short lists instead of one long one.
+	// PrefixBucket names the chains between KUBE-SERVICES and the service rules,
+	// which dispatch by destination: a chain per /16 that holds service
+	// addresses, in it one per /20, in that one per /24, the bucket that holds
+	// the rules of the services in it (IPv6: /112, /116, /120). Adding a service
+	// rewrites its bucket, not all of KUBE-SERVICES, and with a /12 of services a
+	// new connection walks at most 16 jumps per level before its bucket's rules.
 	PrefixBucket        = "KUBE-SVCS-"
 	prefixLegacyXLB     = "KUBE-XLB-"
 	serviceChainHashLen = 16
+	// bucketHashLen fits "KUBE-SVCS-120-" and the hash in iptables' 28 characters.
+	bucketHashLen = 28 - len(PrefixBucket+"120-")
 )
 
 // OwnedPrefixes are the chain prefixes whose unused chains a full sync deletes.
@@ -69,22 +76,64 @@ func EndpointName(port bus.ServicePortName, endpoint string) string {
 	return PrefixEndpoint + hash16(port.String()+strings.ToLower(string(port.Protocol))+endpoint)
 }
 
-// BucketChain names the KUBE-SERVICES bucket of a destination prefix.
+// BucketChain names the chain of a destination prefix: "KUBE-SVCS-<bits>-" and a
+// hash of the prefix, so that chains sort by level (see WriteRank).
 func BucketChain(p netip.Prefix) string {
-	return PrefixBucket + hash16(p.String())
+	return PrefixBucket + strconv.Itoa(p.Bits()) + "-" + hash(p.String(), bucketHashLen)
+}
+
+// bucketLevels are the prefix lengths of the dispatch levels, top first; the last
+// is the bucket's.
+var (
+	bucketLevels4 = []int{16, 20, 24}
+	bucketLevels6 = []int{112, 116, 120}
+)
+
+func bucketLevels(addr netip.Addr) []int {
+	if addr.Is4() {
+		return bucketLevels4
+	}
+	return bucketLevels6
 }
 
 // Bucket is the destination prefix whose bucket chain holds the rules for addr.
 func Bucket(addr netip.Addr) netip.Prefix {
-	bits := 24
-	if addr.Is6() && !addr.Is4In6() {
-		bits = 120
-	}
-	p, _ := addr.Prefix(bits)
+	addr = addr.Unmap()
+	levels := bucketLevels(addr)
+	p, _ := addr.Prefix(levels[len(levels)-1])
 	return p
 }
 
-func hash16(s string) string {
+// BucketParent is the prefix of the dispatch chain that jumps to p's chain; ok is
+// false when that is KUBE-SERVICES (p is on the top level).
+func BucketParent(p netip.Prefix) (parent netip.Prefix, ok bool) {
+	levels := bucketLevels(p.Addr())
+	i := slices.Index(levels, p.Bits())
+	if i <= 0 {
+		return netip.Prefix{}, false
+	}
+	parent, _ = p.Addr().Prefix(levels[i-1])
+	return parent, true
+}
+
+// bucketBits reads the prefix length out of a bucket chain's name; ok is false
+// for a name of another shape (an older kpipe's single-level buckets).
+func bucketBits(chain string) (bits int, ok bool) {
+	rest, found := strings.CutPrefix(chain, PrefixBucket)
+	if !found {
+		return 0, false
+	}
+	num, _, found := strings.Cut(rest, "-")
+	if !found {
+		return 0, false
+	}
+	bits, err := strconv.Atoi(num)
+	return bits, err == nil
+}
+
+func hash16(s string) string { return hash(s, serviceChainHashLen) }
+
+func hash(s string, n int) string {
 	sum := sha256.Sum256([]byte(s))
-	return base32.StdEncoding.EncodeToString(sum[:])[:serviceChainHashLen]
+	return base32.StdEncoding.EncodeToString(sum[:])[:n]
 }

@@ -4,7 +4,6 @@ import (
 	"context"
 	"fmt"
 	"maps"
-	"net/netip"
 	"testing"
 
 	"github.com/kpipe/kpipe/bus"
@@ -61,6 +60,7 @@ func BenchmarkCommit(b *testing.B) {
 				i++
 				ns.Run(b, write([]*bus.Plan{added, same}[i%2]))
 			}
+			b.ReportMetric(float64(len(added.Tables[0].Chains)), "nat-chains-written")
 		})
 		ns.Run(b, write(same))
 		b.Run(fmt.Sprintf("services=%d/periodic", n), func(b *testing.B) {
@@ -113,18 +113,15 @@ func withOneChange(st bus.State) bus.State {
 	return out
 }
 
-// withNewService adds one service with 10 endpoints to st.
+// withNewService adds one service with 10 endpoints to st (made by
+// render.SyntheticState with 10 endpoints a service) at the next random ClusterIP,
+// as the apiserver allocates one.
 func withNewService(st bus.State) bus.State {
-	extra := render.SyntheticState(1, 10)
+	n := len(st.Services)
+	next := render.SyntheticState(n+1, 10)
+	key := bus.ServiceKey{Namespace: fmt.Sprintf("ns%d", n%100), Name: fmt.Sprintf("svc%d", n)}
 	out := st
 	out.Services, out.Slices = maps.Clone(st.Services), maps.Clone(st.Slices)
-	for k, v := range extra.Services {
-		k.Name = "added"
-		v2 := *v
-		v2.ServiceKey = k
-		v2.ClusterIPs = []netip.Addr{netip.MustParseAddr("10.96.1.250")}
-		out.Services[k] = &v2
-		out.Slices[k] = extra.Slices[v.ServiceKey]
-	}
+	out.Services[key], out.Slices[key] = next.Services[key], next.Slices[key]
 	return out
 }

@@ -3,12 +3,16 @@ package render
 import (
 	"fmt"
 	"maps"
+	"net/netip"
 	"testing"
 
 	"github.com/kpipe/kpipe/bus"
 )
 
-// BenchmarkRenderFull renders every chain of a 10k-service cluster (a full sync).
+// BenchmarkRenderFull renders every chain of a cluster of 1k and 10k services, their
+// ClusterIPs at random over 10.96.0.0/12 (a full sync). Besides the time it
+// reports how many nat rules a new connection to a service's first port walks
+// from KUBE-SERVICES to its service's rule, at most and on average.
 func BenchmarkRenderFull(b *testing.B) {
 	for _, n := range []int{1000, 10000} {
 		b.Run(fmt.Sprintf("services=%d/endpoints=10", n), func(b *testing.B) {
@@ -20,6 +24,14 @@ func BenchmarkRenderFull(b *testing.B) {
 			}
 			b.ReportMetric(float64(p.Tables[0].RuleCount+p.Tables[1].RuleCount), "rules")
 			b.ReportMetric(float64(len(p.Tables[0].Chains)), "nat-chains")
+			rules := natRules(p)
+			worst, total := 0, 0
+			for _, s := range st.Services {
+				n, _ := walk(rules, netip.AddrPortFrom(s.ClusterIPs[0], uint16(s.Ports[0].Port)))
+				worst, total = max(worst, n), total+n
+			}
+			b.ReportMetric(float64(worst), "walk-max")
+			b.ReportMetric(float64(total)/float64(len(st.Services)), "walk-mean")
 		})
 	}
 }

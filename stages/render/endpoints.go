@@ -14,15 +14,19 @@ type endpoint struct {
 	ready       bool
 	serving     bool
 	terminating bool
-	local       bool
-	zones       []string
-	nodes       []string
+	local       bool // on this node: what the Local traffic policies use
+	// hairpin: may be a pod on this node (local, no nodeName, or inside this
+	// node's pod CIDRs), so it may send traffic to itself through the service
+	// and gets a KUBE-SEP- chain that masquerades that.
+	hairpin bool
+	zones   []string
+	nodes   []string
 }
 
 // endpointsFor collects the endpoints of one service port from the service's slices
 // of this family, matching the slice port by name and protocol, first seen wins for
 // a duplicate address:port (as kube-proxy does), sorted for stable output.
-func endpointsFor(slices map[string]*bus.EndpointSlice, family bus.Family, port bus.Port, nodeName string) []endpoint {
+func endpointsFor(slices map[string]*bus.EndpointSlice, family bus.Family, port bus.Port, nodeName string, podCIDRs []netip.Prefix) []endpoint {
 	seen := map[netip.AddrPort]bool{}
 	var eps []endpoint
 	for _, name := range sortedKeys(slices) {
@@ -46,14 +50,25 @@ func endpointsFor(slices map[string]*bus.EndpointSlice, family bus.Family, port 
 				continue
 			}
 			seen[ap] = true
+			local := e.NodeName != "" && e.NodeName == nodeName
 			eps = append(eps, endpoint{
 				addr: ap, ready: e.Ready, serving: e.Serving, terminating: e.Terminating,
-				local: e.NodeName != "" && e.NodeName == nodeName, zones: e.HintZones, nodes: e.HintNodes,
+				local: local, hairpin: local || e.NodeName == "" || inAny(podCIDRs, e.Addr),
+				zones: e.HintZones, nodes: e.HintNodes,
 			})
 		}
 	}
 	slicesSortEndpoints(eps)
 	return eps
+}
+
+func inAny(prefixes []netip.Prefix, a netip.Addr) bool {
+	for _, p := range prefixes {
+		if p.Contains(a) {
+			return true
+		}
+	}
+	return false
 }
 
 func slicesSortEndpoints(eps []endpoint) {

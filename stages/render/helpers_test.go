@@ -6,6 +6,7 @@ import (
 	"os"
 	"path/filepath"
 	"regexp"
+	"strconv"
 	"strings"
 	"testing"
 
@@ -152,4 +153,83 @@ func checkConsistent(t *testing.T, p *bus.Plan) {
 			}
 		}
 	}
+}
+
+// natRules splits a plan's nat rules by chain.
+func natRules(p *bus.Plan) map[string][]string {
+	out := map[string][]string{}
+	for _, c := range tableOf(p, nf.TableNAT).Chains {
+		for _, line := range strings.Split(strings.TrimSuffix(string(c.Rules), "\n"), "\n") {
+			if line != "" {
+				out[c.Name] = append(out[c.Name], line)
+			}
+		}
+	}
+	return out
+}
+
+// walk counts the nat rules a new TCP connection to dst evaluates from
+// KUBE-SERVICES until a rule sends it to a service's own chain; ok is false when
+// none does. It follows the -d, -p and --dport matches and the jumps to bucket
+// chains; a rule with any other match does not match.
+func walk(rules map[string][]string, dst netip.AddrPort) (n int, ok bool) {
+	var visit func(chain string) bool
+	visit = func(chain string) bool {
+		for _, line := range rules[chain] {
+			n++
+			target, matches := ruleMatches(line, dst)
+			if !matches {
+				continue
+			}
+			if !strings.HasPrefix(target, nf.PrefixBucket) {
+				return true
+			}
+			if visit(target) {
+				return true
+			}
+		}
+		return false
+	}
+	return n, visit(nf.ChainServices)
+}
+
+func ruleMatches(line string, dst netip.AddrPort) (target string, ok bool) {
+	f := strings.Fields(line)
+	for i := 2; i < len(f); i++ {
+		switch f[i] {
+		case "-m":
+			switch f[i+1] {
+			case "comment":
+				i += 3 // to the first word of the quoted comment, then to its last
+				for !strings.HasSuffix(f[i], `"`) {
+					i++
+				}
+				continue
+			case "tcp":
+				i++
+				continue
+			}
+			return "", false
+		case "-p":
+			if f[i+1] != "tcp" {
+				return "", false
+			}
+			i++
+		case "-d":
+			if !netip.MustParsePrefix(f[i+1]).Contains(dst.Addr()) {
+				return "", false
+			}
+			i++
+		case "--dport":
+			if f[i+1] != strconv.Itoa(int(dst.Port())) {
+				return "", false
+			}
+			i++
+		case "-j":
+			return f[i+1], true
+		default:
+			return "", false
+		}
+	}
+	return "", false
 }

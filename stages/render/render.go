@@ -179,7 +179,7 @@ func (r *renderer) plan() *bus.Plan {
 	p := &bus.Plan{
 		Family: r.cfg.Family, Generation: r.snap.Generation, QueuedAt: r.snap.QueuedAt,
 		Full: r.snap.Full, Refresh: r.snap.Refresh, UDP: r.udp,
-		HealthChecks:     bus.HealthChecks{Family: r.cfg.Family, Services: r.checks},
+		HealthChecks:     bus.HealthChecks{Family: r.cfg.Family, Services: r.checks, Addrs: r.healthCheckAddrs()},
 		NoLocalEndpoints: r.noLocal,
 	}
 	for _, t := range []*table{r.nat, r.filter} {

@@ -62,6 +62,10 @@ func TestGolden(t *testing.T) {
 	allA.HintZones, allB.HintZones = []string{"zone-a"}, []string{"zone-b"}
 	allEPs := slice(all, "all-1", []bus.EndpointPort{eport("http", bus.TCP, 8080), eport("dns", bus.UDP, 5353)}, allA, allB, allT)
 
+	hairpin := svc("demo", "hairpin", "10.96.0.110", port("http", bus.TCP, 80))
+	hairpinEPs := slice(hairpin, "hairpin-1", []bus.EndpointPort{eport("http", bus.TCP, 8080)},
+		ep("10.244.2.6", ""), ep("10.244.1.7", "node-b"), ep("10.244.3.8", "node-c"))
+
 	v6 := &bus.Service{ServiceKey: bus.ServiceKey{Namespace: "demo", Name: "v6"}, ClusterIPs: []netip.Addr{ip("10.96.0.100"), ip("fd00:10:96::100")},
 		Ports: []bus.Port{{Name: "http", Protocol: bus.TCP, Port: 80, NodePort: 30100}}}
 	v6EPs := slice(v6, "v6-1", []bus.EndpointPort{eport("http", bus.TCP, 8080)}, ep("fd00:10:244:1::5", testNode), ep("fd00:10:244:2::6", "node-b"))
@@ -90,6 +94,7 @@ func TestGolden(t *testing.T) {
 		{"terminating", cfg, state(node(), term, termEPs)},
 		{"topology-zone", cfg, state(node(), zoned, zonedEPs)},
 		{"all-features", cfg, state(node(), all, allEPs)},
+		{"hairpin-maybe-local", cfg, state(node(), hairpin, hairpinEPs)},
 		{"ipv6", with(func(c *Config) {
 			c.Family, c.ClusterCIDRs, c.LocalhostNodePorts = bus.IPv6, []netip.Prefix{prefix("fd00:10:244::/48")}, false
 		}), state(v6Node, v6, v6EPs)},
@@ -214,24 +219,278 @@ func TestUDPFrontEnds(t *testing.T) {
 	}
 }
 
-// TestBuckets: KUBE-SERVICES sends each /24 of service addresses to its own
-// bucket chain; a service in a new /24 adds a bucket (and a KUBE-SERVICES rule),
-// and the bucket goes when its last service does.
+// TestBuckets: KUBE-SERVICES dispatches by /16, then /20, to a bucket chain per
+// /24 that holds the service rules. A service in a new /24 adds its bucket and a
+// jump in its /20's chain, and leaves KUBE-SERVICES alone; one in a new /16 adds
+// a chain on every level; a chain goes when its last service does.
 func TestBuckets(t *testing.T) {
 	a := svc("ns", "a", "10.96.1.1", port("http", bus.TCP, 80))
 	b := svc("ns", "b", "10.96.2.1", port("http", bus.TCP, 80))
+	c := svc("ns", "c", "10.100.7.1", port("http", bus.TCP, 80))
 	aEPs := slice(a, "a-1", []bus.EndpointPort{eport("http", bus.TCP, 8080)}, ep("10.244.2.5", "node-b"))
 	bEPs := slice(b, "b-1", []bus.EndpointPort{eport("http", bus.TCP, 8080)}, ep("10.244.2.6", "node-b"))
+	cEPs := slice(c, "c-1", []bus.EndpointPort{eport("http", bus.TCP, 8080)}, ep("10.244.2.7", "node-b"))
+	chain := func(p string) string { return nf.BucketChain(prefix(p)) }
+	jump := func(from, to string) string {
+		return "-A " + from + " -m comment --comment \"services in " + to + "\" -d " + to + " -j " + chain(to) + "\n"
+	}
 	first := Render(baseConfig(), full(state(node(), a, aEPs)))
+	for _, want := range []string{jump(nf.ChainServices, "10.96.0.0/16"), jump(chain("10.96.0.0/16"), "10.96.0.0/20"), jump(chain("10.96.0.0/20"), "10.96.1.0/24")} {
+		if !strings.Contains(payload(first), want) {
+			t.Errorf("no dispatch %q:\n%s", want, payload(first))
+		}
+	}
+
 	second := Render(baseConfig(), full(state(node(), a, b, aEPs, bEPs)))
 	bBucket := nf.BucketChain(nf.Bucket(b.ClusterIPs[0]))
-	if got := declared(second, "nat"); !slices.Contains(got, bBucket) || !slices.Contains(got, nf.ChainServices) {
-		t.Errorf("a service in a new /24 rewrote %v; want its bucket %s and KUBE-SERVICES", got, bBucket)
+	if bBucket != chain("10.96.2.0/24") {
+		t.Fatalf("bucket of %s = %s, want the chain of 10.96.2.0/24", b.ClusterIPs[0], bBucket)
 	}
-	if !strings.Contains(payload(second), "-A KUBE-SERVICES -m comment --comment \"services in 10.96.2.0/24\" -d 10.96.2.0/24 -j "+bBucket) {
-		t.Errorf("no dispatch to the new bucket:\n%s", payload(second))
+	wantRewritten := []string{bBucket, chain("10.96.0.0/20"), nf.ServiceChain(nf.PrefixService, b.PortName(b.Ports[0]))}
+	if got := changedChains(first, second, "nat"); !sameSet(got, wantRewritten) {
+		t.Errorf("a service in a new /24 rewrote %v; want only %v (its bucket, its /20 and its service chain)", got, wantRewritten)
 	}
-	if got := declared(first, "nat"); slices.Contains(got, bBucket) {
-		t.Errorf("bucket %s exists without a service in it: %v", bBucket, got)
+	if want := jump(chain("10.96.0.0/20"), "10.96.2.0/24"); !strings.Contains(payload(second), want) {
+		t.Errorf("no dispatch to the new bucket %q:\n%s", want, payload(second))
+	}
+
+	third := Render(baseConfig(), full(state(node(), a, b, c, aEPs, bEPs, cEPs)))
+	newChains := []string{chain("10.100.0.0/16"), chain("10.100.0.0/20"), chain("10.100.7.0/24")}
+	for _, want := range []string{jump(nf.ChainServices, "10.100.0.0/16"), jump(newChains[0], "10.100.0.0/20"), jump(newChains[1], "10.100.7.0/24")} {
+		if !strings.Contains(payload(third), want) {
+			t.Errorf("a service in a new /16: no dispatch %q:\n%s", want, payload(third))
+		}
+	}
+
+	fourth := Render(baseConfig(), full(state(node(), a, aEPs)))
+	deleted := goneChains(third, fourth, "nat")
+	for _, gone := range append(newChains, bBucket) {
+		if !slices.Contains(deleted, gone) {
+			t.Errorf("empty chain %s not deleted: %v", gone, deleted)
+		}
+	}
+	if slices.Contains(deleted, chain("10.96.0.0/20")) || slices.Contains(deleted, chain("10.96.0.0/16")) {
+		t.Errorf("a dispatch chain that still leads to a service was deleted: %v", deleted)
+	}
+}
+
+// changedChains lists the chains of table that next has and prev has not, or has
+// with other rules: what commit rewrites when next follows prev.
+func changedChains(prev, next *bus.Plan, table string) []string {
+	old := map[string]uint64{}
+	for _, c := range tableOf(prev, table).Chains {
+		old[c.Name] = c.Hash
+	}
+	var out []string
+	for _, c := range tableOf(next, table).Chains {
+		if h, ok := old[c.Name]; !ok || h != c.Hash {
+			out = append(out, c.Name)
+		}
+	}
+	return out
+}
+
+// goneChains lists the chains of table that prev has and next has not.
+func goneChains(prev, next *bus.Plan, table string) []string {
+	now := map[string]bool{}
+	for _, c := range tableOf(next, table).Chains {
+		now[c.Name] = true
+	}
+	var out []string
+	for _, c := range tableOf(prev, table).Chains {
+		if !now[c.Name] {
+			out = append(out, c.Name)
+		}
+	}
+	return out
+}
+
+func sameSet(a, b []string) bool {
+	a, b = slices.Clone(a), slices.Clone(b)
+	slices.Sort(a)
+	slices.Sort(b)
+	return slices.Equal(a, b)
+}
+
+// TestHairpinEndpointsGetMasqueradeChain: an endpoint that may be a pod on this
+// node (on this node, with no nodeName, or inside this node's pod CIDR) gets a
+// KUBE-SEP- chain that masquerades traffic it sends to itself; a pod known to be
+// elsewhere stays an inline DNAT. Which endpoints count as local for the
+// traffic policies does not change: only nodeName says that.
+func TestHairpinEndpointsGetMasqueradeChain(t *testing.T) {
+	s := svc("ns", "hp", "10.96.0.1", bus.Port{Name: "http", Protocol: bus.TCP, Port: 80, NodePort: 30080})
+	s.ExternalPolicyLocal, s.HealthCheckNodePort = true, 32000
+	noNode := ep("10.244.2.6", "")       // no nodeName, outside this node's pod CIDR
+	inCIDR := ep("10.244.1.7", "node-b") // says another node, but in this node's pod CIDR
+	eps := slice(s, "hp-1", []bus.EndpointPort{eport("http", bus.TCP, 8080)},
+		ep("10.244.1.5", testNode), noNode, inCIDR, ep("10.244.3.8", "node-c"))
+	p := Render(baseConfig(), full(state(node(), s, eps)))
+	checkConsistent(t, p)
+	out := payload(p)
+	name := s.PortName(s.Ports[0])
+	for _, addr := range []string{"10.244.1.5", "10.244.2.6", "10.244.1.7"} {
+		sep := nf.EndpointName(name, addr+":8080")
+		want := "-A " + sep + " -m comment --comment \"ns/hp:http\" -s " + addr + "/32 -j KUBE-MARK-MASQ\n"
+		if !strings.Contains(out, want) {
+			t.Errorf("endpoint %s has no hairpin masquerade %q:\n%s", addr, want, out)
+		}
+		if !strings.Contains(out, "-j "+sep+"\n") {
+			t.Errorf("the cluster policy chain does not jump to %s for %s:\n%s", sep, addr, out)
+		}
+	}
+	remote := nf.EndpointName(name, "10.244.3.8:8080")
+	if strings.Contains(out, remote) {
+		t.Errorf("endpoint 10.244.3.8 on node-c got a KUBE-SEP- chain:\n%s", out)
+	}
+	if !strings.Contains(out, "-j DNAT --to-destination 10.244.3.8:8080") {
+		t.Errorf("endpoint 10.244.3.8 on node-c is not an inline DNAT:\n%s", out)
+	}
+	// The Local policy still only uses the endpoint whose nodeName is this node.
+	svl := nf.ServiceChain(nf.PrefixServiceLocal, name)
+	var svlRules []string
+	for _, line := range strings.Split(out, "\n") {
+		if strings.HasPrefix(line, "-A "+svl+" ") {
+			svlRules = append(svlRules, line)
+		}
+	}
+	if len(svlRules) != 1 || !strings.Contains(svlRules[0], nf.EndpointName(name, "10.244.1.5:8080")) {
+		t.Errorf("local policy chain %s = %q, want only 10.244.1.5", svl, svlRules)
+	}
+	if got := p.HealthChecks.Services[s.ServiceKey].LocalEndpoints; got != 1 {
+		t.Errorf("health check counts %d local endpoints, want 1", got)
+	}
+}
+
+// TestFirewallNodeExceptionOnlyPrimaryIP: the firewall chain lets the node's own
+// looped-back requests (source: the VIP) through only when a source range holds
+// the node's primary IP of the family, as kube-proxy does; a range that holds
+// only another node address does not.
+func TestFirewallNodeExceptionOnlyPrimaryIP(t *testing.T) {
+	lb := func(family bus.Family, sourceRange string) (Config, bus.State, string) {
+		cfg := baseConfig()
+		n := node()
+		n.Addrs = []netip.Addr{ip("192.168.1.10"), ip("2001:db8::10"), ip("172.16.0.5"), ip("2001:db8:1::20")}
+		s := svc("ns", "lb", "10.96.0.30", bus.Port{Name: "https", Protocol: bus.TCP, Port: 443, NodePort: 30443})
+		vip, epAddr := "198.51.100.50", "10.244.2.6"
+		if family == bus.IPv6 {
+			cfg.Family, cfg.ClusterCIDRs, cfg.LocalhostNodePorts = bus.IPv6, []netip.Prefix{prefix("fd00:10:244::/48")}, false
+			s.ClusterIPs = []netip.Addr{ip("fd00:10:96::30")}
+			vip, epAddr = "2001:db8:ff::50", "fd00:10:244:2::6"
+		}
+		s.LoadBalancerIPs = []netip.Addr{ip(vip)}
+		s.LoadBalancerSourceRanges = []netip.Prefix{prefix(sourceRange)}
+		eps := slice(s, "lb-1", []bus.EndpointPort{eport("https", bus.TCP, 8443)}, ep(epAddr, "node-b"))
+		return cfg, state(n, s, eps), hostCIDR(ip(vip))
+	}
+	for _, tc := range []struct {
+		family      bus.Family
+		sourceRange string
+		allowNode   bool
+	}{
+		{bus.IPv4, "192.168.1.0/24", true},
+		{bus.IPv4, "172.16.0.0/16", false},
+		{bus.IPv6, "2001:db8::/64", true},
+		{bus.IPv6, "2001:db8:1::/48", false},
+	} {
+		cfg, st, vip := lb(tc.family, tc.sourceRange)
+		out := payload(Render(cfg, full(st)))
+		fw := nf.ServiceChain(nf.PrefixFirewall, bus.ServicePortName{ServiceKey: bus.ServiceKey{Namespace: "ns", Name: "lb"}, Port: "https", Protocol: bus.TCP})
+		if !strings.Contains(out, "-A "+fw+" ") {
+			t.Fatalf("%v %s: no firewall chain:\n%s", tc.family, tc.sourceRange, out)
+		}
+		got := strings.Contains(out, "-s "+vip+" -j KUBE-EXT-")
+		if got != tc.allowNode {
+			t.Errorf("%v source range %s: node exception (-s %s) written = %v, want %v:\n%s", tc.family, tc.sourceRange, vip, got, tc.allowNode, out)
+		}
+	}
+}
+
+// TestHealthCheckAddrs: healthCheckNodePort servers listen where --nodeport-addresses
+// says, as kube-proxy's do: every address when it is unset, else the local
+// addresses of this family it selects, loopback included (kube-proxy's health
+// check servers listen on whatever the flag matches), and nowhere when it matches
+// nothing.
+func TestHealthCheckAddrs(t *testing.T) {
+	st := withAddrs(state(node()), "192.168.1.10", "10.0.0.1", "127.0.0.1", "fd00::1", "::1")
+	v6Node := node()
+	v6Node.Addrs = []netip.Addr{ip("192.168.1.10"), ip("2001:db8::10")}
+	v6 := func(c *Config) { c.Family, c.ClusterCIDRs, c.LocalhostNodePorts = bus.IPv6, nil, false }
+	for _, tc := range []struct {
+		name   string
+		change func(*Config)
+		st     bus.State
+		want   []netip.Addr
+	}{
+		{"unset: every address", func(*Config) {}, st, nil},
+		{"cidrs", func(c *Config) {
+			c.NodePortAddresses = []netip.Prefix{prefix("192.168.1.0/24"), prefix("127.0.0.0/8")}
+		}, st, []netip.Addr{ip("127.0.0.1"), ip("192.168.1.10")}},
+		{"cidrs without localhost nodeports", func(c *Config) {
+			c.NodePortAddresses, c.LocalhostNodePorts = []netip.Prefix{prefix("192.168.1.0/24"), prefix("127.0.0.0/8")}, false
+		}, st, []netip.Addr{ip("127.0.0.1"), ip("192.168.1.10")}},
+		{"cidrs matching nothing", func(c *Config) { c.NodePortAddresses = []netip.Prefix{prefix("172.16.0.0/12")} }, st, []netip.Addr{}},
+		{"ipv6 cidrs", func(c *Config) { v6(c); c.NodePortAddresses = []netip.Prefix{prefix("fd00::/8"), prefix("::1/128")} }, st, []netip.Addr{ip("::1"), ip("fd00::1")}},
+		{"zero cidr: every address", func(c *Config) { c.NodePortAddresses = []netip.Prefix{prefix("192.168.1.0/24"), prefix("0.0.0.0/0")} }, st, nil},
+		{"primary", func(c *Config) { c.NodePortPrimary = true }, st, []netip.Addr{ip("192.168.1.10")}},
+		{"ipv6 primary", func(c *Config) { v6(c); c.NodePortPrimary = true }, state(v6Node), []netip.Addr{ip("2001:db8::10")}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			cfg := baseConfig()
+			tc.change(&cfg)
+			got := newRenderer(cfg, full(tc.st)).healthCheckAddrs()
+			if (got == nil) != (tc.want == nil) || !slices.Equal(got, tc.want) {
+				t.Errorf("health check addresses = %v (nil: %v), want %v (nil: %v)", got, got == nil, tc.want, tc.want == nil)
+			}
+		})
+	}
+}
+
+// maxDispatch is the most dispatch rules (jumps to bucket chains) one chain may
+// hold when service addresses fill a /12 (IPv6: a /108): a new connection walks
+// at most this many rules at each level before it reaches its bucket.
+const maxDispatch = 16
+
+// TestDispatchWalkIsShort: with 10k ClusterIPs at random over the service CIDR,
+// as the apiserver allocates them, every list of bucket jumps a new connection
+// walks is short, and so is its whole walk to its service's rule.
+func TestDispatchWalkIsShort(t *testing.T) {
+	for _, family := range []bus.Family{bus.IPv4, bus.IPv6} {
+		t.Run(family.String(), func(t *testing.T) {
+			cfg := baseConfig()
+			if family == bus.IPv6 {
+				cfg.Family, cfg.ClusterCIDRs, cfg.LocalhostNodePorts = bus.IPv6, []netip.Prefix{prefix("fd00:10:244::/48")}, false
+			}
+			st := SyntheticStateOf(family, 10000, 1)
+			p := Render(cfg, full(st))
+			checkConsistent(t, p)
+			rules := natRules(p)
+			longestBucket := 0
+			for chain, lines := range rules {
+				dispatch := 0
+				for _, line := range lines {
+					if strings.Contains(line, " -j "+nf.PrefixBucket) {
+						dispatch++
+					}
+				}
+				if dispatch > maxDispatch {
+					t.Errorf("%s holds %d bucket jumps; want at most %d", chain, dispatch, maxDispatch)
+				}
+				if dispatch == 0 && strings.HasPrefix(chain, nf.PrefixBucket) {
+					longestBucket = max(longestBucket, len(lines))
+				}
+			}
+			worst, total := 0, 0
+			for _, s := range st.Services {
+				n, ok := walk(rules, netip.AddrPortFrom(s.ClusterIPs[0], 80))
+				if !ok {
+					t.Fatalf("a connection to %s:80 (%s) reaches no service chain", s.ClusterIPs[0], s.ServiceKey)
+				}
+				worst, total = max(worst, n), total+n
+			}
+			if limit := 3*maxDispatch + longestBucket; worst > limit {
+				t.Errorf("a new connection walks up to %d rules; want at most %d (three dispatch levels and a bucket of %d)", worst, limit, longestBucket)
+			}
+			t.Logf("walk: longest %d rules, mean %.1f; longest bucket %d rules", worst, float64(total)/float64(len(st.Services)), longestBucket)
+		})
 	}
 }

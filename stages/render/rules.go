@@ -163,7 +163,11 @@ func (r *renderer) writeServicePort(svc *bus.Service, port bus.Port) {
 	sp.extLocal = svc.ExternalPolicyLocal && sp.externally
 	usesCluster := !sp.intLocal || sp.externally
 	usesLocal := sp.intLocal || sp.extLocal
-	eps := endpointsFor(r.snap.State.Slices[svc.ServiceKey], r.cfg.Family, port, r.cfg.NodeName)
+	var podCIDRs []netip.Prefix
+	if node := r.snap.State.Node; node != nil {
+		podCIDRs = node.PodCIDRs
+	}
+	eps := endpointsFor(r.snap.State.Slices[svc.ServiceKey], r.cfg.Family, port, r.cfg.NodeName, podCIDRs)
 	sp.endpoints = categorize(eps, usesCluster, usesLocal, r.cfg.NodeName, r.zone)
 	r.writeRules(sp)
 }
@@ -298,7 +302,7 @@ func (r *renderer) writeRules(sp *servicePort) {
 		allowNode := false
 		for _, src := range sp.sources {
 			r.nat.rule(sp.fwChain, args, []string{"-s", src.String(), "-j", sp.extChain})
-			allowNode = allowNode || r.nodeIPIn(src)
+			allowNode = allowNode || r.primaryIPIn(src)
 		}
 		if allowNode {
 			// A request from the node to a VIP that is a local address loops back
@@ -321,17 +325,19 @@ func (r *renderer) writeRules(sp *servicePort) {
 func (r *renderer) writeEndpoints(sp *servicePort, chain string, eps []endpoint) {
 	r.nat.declare(chain)
 	affinity := sp.svc.AffinitySeconds > 0
-	// Each endpoint is either an inline DNAT or, for an endpoint on this node, a jump
-	// to its own KUBE-SEP- chain: only a local pod can be sent back to itself
-	// (hairpin), and only that case must be masqueraded, so the reply comes back
-	// through the node. Remote endpoints need no chain: iptables-restore --noflush
-	// on nf_tables costs much more per chain than per rule.
+	// Each endpoint is either an inline DNAT or, for an endpoint that may be a pod
+	// on this node, a jump to its own KUBE-SEP- chain: only a local pod can be sent
+	// back to itself (hairpin), and only that case must be masqueraded, so the reply
+	// comes back through the node. An endpoint without a nodeName, or inside this
+	// node's pod CIDRs, may be local too. Endpoints known to be elsewhere need no
+	// chain: iptables-restore --noflush on nf_tables costs much more per chain than
+	// per rule.
 	target := make([][]string, len(eps))
 	recent := make([]string, len(eps))
 	for i, e := range eps {
 		sep := nf.EndpointName(sp.name, e.addr.String())
 		recent[i] = sep // kube-proxy names the affinity list after the endpoint chain
-		if e.local {
+		if e.hairpin {
 			r.writeEndpointChain(sp, sep, e, affinity)
 			target[i] = []string{"-j", sep}
 		} else {
@@ -344,7 +350,7 @@ func (r *renderer) writeEndpoints(sp *servicePort, chain string, eps []endpoint)
 			// A returning client renews its affinity: the KUBE-SEP- chain does that
 			// with --set; an inline DNAT with --update (check and set in one).
 			check := "--update"
-			if e.local {
+			if e.hairpin {
 				check = "--rcheck"
 			}
 			r.nat.rule(chain, comment(sp.label+" -> "+e.addr.String()),
@@ -356,14 +362,14 @@ func (r *renderer) writeEndpoints(sp *servicePort, chain string, eps []endpoint)
 		if n := len(eps) - i; n > 1 {
 			pick = []string{"-m", "statistic", "--mode", "random", "--probability", probability(n)}
 		}
-		if affinity && !e.local {
+		if affinity && !e.hairpin {
 			set = []string{"-m", "recent", "--name", recent[i], "--set"}
 		}
 		r.nat.rule(chain, comment(sp.label+" -> "+e.addr.String()), pick, set, sp.proto, target[i])
 	}
 }
 
-// writeEndpointChain writes the KUBE-SEP- chain of a local endpoint (once, even when
+// writeEndpointChain writes the KUBE-SEP- chain of a possibly local endpoint (once, even when
 // both the cluster and the local policy chain use it).
 func (r *renderer) writeEndpointChain(sp *servicePort, sep string, e endpoint, affinity bool) {
 	if _, done := r.nat.chains[sep]; done {
@@ -394,12 +400,12 @@ func countReadyLocal(eps []endpoint) int {
 	return n
 }
 
-func (r *renderer) nodeIPIn(p netip.Prefix) bool {
+// primaryIPIn says whether p holds the node's primary IP of this family (its first
+// address of the family), the one address kube-proxy checks source ranges against.
+func (r *renderer) primaryIPIn(p netip.Prefix) bool {
 	if node := r.snap.State.Node; node != nil {
-		for _, a := range node.Addrs {
-			if p.Contains(a) {
-				return true
-			}
+		if ips := r.ofFamily(node.Addrs); len(ips) > 0 {
+			return p.Contains(ips[0])
 		}
 	}
 	return false
@@ -447,17 +453,41 @@ func (r *renderer) bucket(addr netip.Addr) string {
 	return nf.BucketChain(p)
 }
 
-// writeBuckets sends traffic from KUBE-SERVICES to the bucket of its destination:
-// buckets hold disjoint addresses, so each packet enters at most one, and one
-// that matches nothing there comes back and goes on to the NodePort rule.
+// writeBuckets sends traffic from KUBE-SERVICES down to the bucket of its
+// destination through the dispatch chains above it (netfilter.PrefixBucket): a
+// chain's jumps go to disjoint prefixes, so a packet enters at most one chain per
+// level, and one that matches nothing there comes back and goes on to the
+// NodePort rule. The buckets were filled by the services; the dispatch chains are
+// written here, once per snapshot.
 func (r *renderer) writeBuckets() {
-	prefixes := make([]netip.Prefix, 0, len(r.buckets))
-	for p := range r.buckets {
-		prefixes = append(prefixes, p)
+	children := map[netip.Prefix][]netip.Prefix{} // the zero Prefix: KUBE-SERVICES
+	seen := map[netip.Prefix]bool{}
+	for leaf := range r.buckets {
+		for p := leaf; !seen[p]; {
+			seen[p] = true
+			parent, ok := nf.BucketParent(p)
+			children[parent] = append(children[parent], p)
+			if !ok {
+				break
+			}
+			p = parent
+		}
 	}
-	slices.SortFunc(prefixes, func(a, b netip.Prefix) int { return a.Addr().Compare(b.Addr()) })
-	for _, p := range prefixes {
-		r.nat.rule(nf.ChainServices, comment("services in "+p.String()), []string{"-d", p.String(), "-j", nf.BucketChain(p)})
+	r.writeDispatch(nf.ChainServices, netip.Prefix{}, children)
+}
+
+// writeDispatch writes chain's jumps to the chains of its children prefixes, in
+// address order, and then theirs.
+func (r *renderer) writeDispatch(chain string, p netip.Prefix, children map[netip.Prefix][]netip.Prefix) {
+	kids := children[p]
+	slices.SortFunc(kids, func(a, b netip.Prefix) int { return a.Addr().Compare(b.Addr()) })
+	for _, k := range kids {
+		r.nat.rule(chain, comment("services in "+k.String()), []string{"-d", k.String(), "-j", nf.BucketChain(k)})
+	}
+	for _, k := range kids {
+		if len(children[k]) > 0 {
+			r.writeDispatch(nf.BucketChain(k), k, children)
+		}
 	}
 }
 
@@ -484,6 +514,11 @@ func (r *renderer) writeNodePortsTail() {
 	}
 }
 
+// healthCheckAddrs lists the addresses healthCheckNodePort servers listen on (nil:
+// every address): what --nodeport-addresses selects, loopback included, as
+// kube-proxy's service health server listens on every address the flag matches.
+func (r *renderer) healthCheckAddrs() []netip.Addr { return r.nodePortIPs() }
+
 // nodePortIPs lists the addresses NodePorts answer on, or nil for "every local address".
 func (r *renderer) nodePortIPs() []netip.Addr {
 	switch {
@@ -496,6 +531,9 @@ func (r *renderer) nodePortIPs() []netip.Addr {
 		}
 		return out
 	case len(r.cfg.NodePortAddresses) > 0:
+		if slices.ContainsFunc(r.cfg.NodePortAddresses, func(p netip.Prefix) bool { return p.Bits() == 0 }) {
+			return nil // 0.0.0.0/0 or ::/0: kube-proxy matches every address
+		}
 		out := []netip.Addr{}
 		for _, a := range r.ofFamily(r.snap.State.LocalAddrs) {
 			for _, p := range r.cfg.NodePortAddresses {
