@@ -25,18 +25,9 @@ import (
 	"github.com/kpipe/kpipe/supervise"
 )
 
-// serve builds the supervisor tree and runs it until ctx ends. Stopping leaves
-// every rule in place: a restarted kpipe takes them over.
-//
-//	kpipe (one_for_one)
-//	├── pipeline (rest_for_one): watch, coalesce, families (one_for_one)
-//	│                                              └── ipv4, ipv6 (rest_for_one): render, commit
-//	├── side (one_for_one, never gives up): conntrack-ipv4, conntrack-ipv6, canary
-//	└── health
-//
-// The side stages only help the rules (stale UDP flows, flushed tables): their
-// failures restart them alone, show on /healthz and in kpipe_stage_restarts_total,
-// and never restart the rule path or stop the process.
+// serve builds the stages and runs them under the supervisor tree (buildTree)
+// until ctx ends. Stopping leaves every rule in place: a restarted kpipe takes
+// them over.
 func serve(ctx context.Context, o *Options) error {
 	log := newLogger(os.Stderr, o.LogFormat, o.LogLevel)
 	client, err := newClient(o.Kubeconfig)
@@ -61,8 +52,7 @@ func serve(ctx context.Context, o *Options) error {
 	opts := func(s supervise.Strategy) supervise.Options {
 		return supervise.Options{Strategy: s, Logger: log, OnRestart: onRestart}
 	}
-	var familyTrees, side []supervise.Child
-	sideNames := []string{"canary"}
+	runners := treeRunners{}
 	var coalesceIO []coalesce.Family
 	resync := map[bus.Family]*bus.Flag{}
 	for _, f := range families {
@@ -76,10 +66,7 @@ func serve(ctx context.Context, o *Options) error {
 		cs := commit.NewStage(f, o.localhostNodePorts(), plans, commit.Outputs{Results: results, Resend: resend, Flows: flows, HealthChecks: checks},
 			commit.NewLedger(), nf.Tool{Family: f}, board, metrics, log.With("stage", "commit-"+name))
 		ct := conntrack.NewStage(f, flows, metrics, log.With("stage", "conntrack-"+name))
-		familyTrees = append(familyTrees, supervise.Tree(name, opts(supervise.RestForOne),
-			supervise.Leaf("render-"+name, rs.Run), supervise.Leaf("commit-"+name, cs.Run)))
-		side = append(side, supervise.Leaf("conntrack-"+name, ct.Run))
-		sideNames = append(sideNames, "conntrack-"+name)
+		runners.families = append(runners.families, familyRunners{name: name, render: rs.Run, commit: cs.Run, conntrack: ct.Run})
 	}
 	ws := watch.NewStage(client, o.HostnameOverride, changes, replay, board, metrics, log.With("stage", "watch"), len(o.nodePortCIDRs) > 0)
 	co := coalesce.NewStage(coalesce.Config{MinSyncPeriod: o.MinSyncPeriod, SyncPeriod: o.SyncPeriod, Burst: 2},
@@ -93,17 +80,11 @@ func serve(ctx context.Context, o *Options) error {
 	}
 	he := health.New(health.Config{
 		HealthzAddr: o.HealthzBindAddress, MetricsAddr: o.MetricsBindAddress, EnableDebug: o.EnableDebugHandlers,
-		SyncPeriod: o.SyncPeriod, NodeName: o.HostnameOverride, Families: families, Configz: o, SideStages: sideNames,
+		SyncPeriod: o.SyncPeriod, NodeName: o.HostnameOverride, Families: families, Configz: o, SideStages: runners.sideStages(),
 	}, board, reg, metrics, checks, stagesHandler, log.With("stage", "health"))
 
-	sideOpts := opts(supervise.OneForOne)
-	sideOpts.NeverEscalate = true
-	root = supervise.Tree("kpipe", opts(supervise.OneForOne),
-		supervise.Tree("pipeline", opts(supervise.RestForOne),
-			supervise.Leaf("watch", ws.Run), supervise.Leaf("coalesce", co.Run),
-			supervise.Tree("families", opts(supervise.OneForOne), familyTrees...)),
-		supervise.Tree("side", sideOpts, append(side, supervise.Leaf("canary", ca.Run))...),
-		supervise.Leaf("health", he.Run))
+	runners.watch, runners.coalesce, runners.canary, runners.health = ws.Run, co.Run, ca.Run, he.Run
+	root = buildTree(runners, opts)
 	log.Info("kpipe starting", "node", o.HostnameOverride, "families", fmt.Sprint(families), "mode", "iptables")
 	if err := root.Run(ctx); err != nil {
 		log.Error("kpipe stopping: a stage kept failing", "err", err)
