@@ -5,7 +5,6 @@ package commit
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"log/slog"
 	"maps"
@@ -22,10 +21,9 @@ import (
 type Kernel interface {
 	// Restore applies an iptables-restore --noflush payload.
 	Restore(ctx context.Context, payload []byte) error
-	// Save lists every chain of table with its rules, as iptables-save prints them.
-	Save(ctx context.Context, table string) (map[string][]string, error)
-	// ListChain lists one chain's rules, as iptables -S prints them.
-	ListChain(ctx context.Context, table, chain string) ([]string, error)
+	// Digests returns a digest of the rules of each chain of table (every chain
+	// when names is nil; of names, those that exist): equal digests, same rules.
+	Digests(ctx context.Context, table string, names []string) (map[string]uint64, error)
 	// EnsureJumps puts back any missing jump from a built-in chain.
 	EnsureJumps(ctx context.Context, js []nf.Jump) error
 	// WriteSysctl sets a sysctl such as "net/ipv4/conf/all/route_localnet".
@@ -168,7 +166,7 @@ func (s *Stage) changes(ctx context.Context, tp bus.TablePayload, full, refresh 
 		wanted[c.Name] = true
 	}
 	if full {
-		kernel, err := s.kernel.Save(ctx, tp.Table)
+		kernel, err := s.kernel.Digests(ctx, tp.Table, nil)
 		if err != nil {
 			return tw, err
 		}
@@ -227,27 +225,6 @@ func mergeInOrder(all, a, b []bus.Chain) []bus.Chain {
 	return out
 }
 
-// readChains lists the rules of the named chains of table, reading the whole table
-// once when there are many (one iptables-save costs about as much as a few
-// iptables -S). A chain missing from the kernel is absent from the map.
-func (s *Stage) readChains(ctx context.Context, table string, names []string) (map[string][]string, error) {
-	if len(names) > 8 {
-		return s.kernel.Save(ctx, table)
-	}
-	out := make(map[string][]string, len(names))
-	for _, name := range names {
-		rules, err := s.kernel.ListChain(ctx, table, name)
-		if err != nil {
-			if isNoChain(err) {
-				continue
-			}
-			return nil, err
-		}
-		out[name] = rules
-	}
-	return out, nil
-}
-
 // drifted returns the chains whose kernel listing is not what kpipe last read
 // back after writing them: someone deleted, added or changed a rule by hand.
 func (s *Stage) drifted(ctx context.Context, table string, chains []bus.Chain) ([]bus.Chain, error) {
@@ -255,14 +232,14 @@ func (s *Stage) drifted(ctx context.Context, table string, chains []bus.Chain) (
 	for i, c := range chains {
 		names[i] = c.Name
 	}
-	kernel, err := s.readChains(ctx, table, names)
+	kernel, err := s.kernel.Digests(ctx, table, names)
 	if err != nil {
 		return nil, err
 	}
 	var out []bus.Chain
 	for _, c := range chains {
-		rules, ok := kernel[c.Name]
-		if !ok || !s.ledger.matches(table, c.Name, rules) {
+		digest, ok := kernel[c.Name]
+		if !ok || !s.ledger.matches(table, c.Name, digest) {
 			out = append(out, c)
 		}
 	}
@@ -282,14 +259,14 @@ func (s *Stage) learn(ctx context.Context, w writes) {
 		if len(names) == 0 {
 			continue
 		}
-		kernel, err := s.readChains(ctx, tw.table, names)
+		kernel, err := s.kernel.Digests(ctx, tw.table, names)
 		if err != nil {
 			s.log.Warn("reading back written chains", "family", s.family, "table", tw.table, "err", err)
 			continue
 		}
 		for _, name := range names {
-			if rules, ok := kernel[name]; ok {
-				s.ledger.sawKernel(tw.table, name, rules)
+			if digest, ok := kernel[name]; ok {
+				s.ledger.sawKernel(tw.table, name, digest)
 			}
 		}
 	}
@@ -332,8 +309,6 @@ func (s *Stage) record(plan *bus.Plan, full bool, start, now time.Time) {
 	s.board.Update(s.name, func(r *bus.Report) { r.LastSync = now; r.Detail = fmt.Sprintf("generation %d", plan.Generation) })
 	s.log.Debug("committed", "family", s.family, "generation", plan.Generation, "full", full, "took", now.Sub(began))
 }
-
-func isNoChain(err error) bool { return errors.Is(err, nf.ErrNoChain) }
 
 // staleFlows says which UDP front-ends changed since the last commit, if any did.
 // The first commit of a process always reports: flows from before it may be stale.

@@ -3,6 +3,7 @@ package commit
 import (
 	"context"
 	"fmt"
+	"hash/fnv"
 	"maps"
 	"slices"
 	"strings"
@@ -133,14 +134,17 @@ func (k *fakeKernel) Save(_ context.Context, table string) (map[string][]string,
 	return out, nil
 }
 
-func (k *fakeKernel) ListChain(_ context.Context, table, chain string) ([]string, error) {
-	k.mu.Lock()
-	defer k.mu.Unlock()
-	r, ok := k.tables[table][chain]
-	if !ok {
-		return nil, fmt.Errorf("%s/%s: %w", table, chain, nf.ErrNoChain)
+func (k *fakeKernel) Digests(ctx context.Context, table string, names []string) (map[string]uint64, error) {
+	all, _ := k.Save(ctx, table)
+	out := map[string]uint64{}
+	for c, rules := range all {
+		if names == nil || slices.Contains(names, c) {
+			h := fnv.New64a()
+			h.Write([]byte(strings.Join(rules, "\n")))
+			out[c] = h.Sum64()
+		}
 	}
-	return slices.Clone(r), nil
+	return out, nil
 }
 
 func (k *fakeKernel) EnsureJumps(context.Context, []nf.Jump) error {

@@ -1,7 +1,6 @@
 package commit
 
 import (
-	"hash/fnv"
 	"net/netip"
 	"strings"
 
@@ -30,9 +29,10 @@ type Ledger struct {
 // known is what kpipe last wrote to one chain.
 type known struct {
 	hash uint64 // render's hash of the rules written
-	// listed is the hash of the chain as the kernel lists it, read back after the
-	// write (0: not read), to notice later changes made behind kpipe's back.
+	// listed is the kernel's digest of the chain, read back after the write
+	// (seen), to notice later changes made behind kpipe's back.
 	listed uint64
+	seen   bool
 	// rules are kept for filter chains: during a write, their old REJECT and DROP
 	// rules stay until the nat table has moved (see writes.steps).
 	rules string
@@ -114,30 +114,18 @@ func (l *Ledger) oldRules(table, chain string) (string, bool) {
 	return old.rules, true
 }
 
-// sawKernel records how the kernel lists a chain kpipe just wrote.
-func (l *Ledger) sawKernel(table, chain string, rules []string) {
+// sawKernel records the kernel's digest of a chain kpipe just wrote.
+func (l *Ledger) sawKernel(table, chain string, digest uint64) {
 	k := key(table, chain)
 	if kn, ok := l.chains[k]; ok {
-		kn.listed = listingHash(rules)
+		kn.listed, kn.seen = digest, true
 		l.chains[k] = kn
 	}
 }
 
-// matches says whether the kernel's listing of a chain is what kpipe read back
+// matches says whether the kernel's digest of a chain is the one kpipe read back
 // after writing it.
-func (l *Ledger) matches(table, chain string, rules []string) bool {
+func (l *Ledger) matches(table, chain string, digest uint64) bool {
 	kn, ok := l.chains[key(table, chain)]
-	return ok && kn.listed != 0 && kn.listed == listingHash(rules)
-}
-
-func listingHash(rules []string) uint64 {
-	h := fnv.New64a()
-	for _, r := range rules {
-		h.Write([]byte(r))
-		h.Write([]byte{'\n'})
-	}
-	if s := h.Sum64(); s != 0 {
-		return s
-	}
-	return 1 // 0 means "not read"
+	return ok && kn.seen && kn.listed == digest
 }
