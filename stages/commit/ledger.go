@@ -2,7 +2,6 @@ package commit
 
 import (
 	"net/netip"
-	"strings"
 
 	"github.com/kpipe/kpipe/bus"
 	nf "github.com/kpipe/kpipe/netfilter"
@@ -18,8 +17,8 @@ type Ledger struct {
 	// synced: a full sync completed since the ledger was made, so chains
 	// describes the kernel (before it, every plan is written as a full sync).
 	synced bool
-	chains map[string]known // by "table/chain"
-	unsure map[string]bool  // a write to these began and was not confirmed
+	chains map[chainKey]known
+	unsure map[chainKey]bool // a write to these began and was not confirmed
 	// udp is the UDP front-end map of the last successful commit (haveUDP), for
 	// the conntrack stage.
 	udp     map[netip.AddrPort][]netip.AddrPort
@@ -40,16 +39,19 @@ type known struct {
 
 // NewLedger makes an empty ledger: the first plan is written as a full sync.
 func NewLedger() *Ledger {
-	return &Ledger{chains: map[string]known{}, unsure: map[string]bool{}}
+	return &Ledger{chains: map[chainKey]known{}, unsure: map[chainKey]bool{}}
 }
 
-func key(table, chain string) string { return table + "/" + chain }
+// chainKey names a chain of a table.
+type chainKey struct{ table, chain string }
+
+func key(table, chain string) chainKey { return chainKey{table, chain} }
 
 // reset forgets what the ledger knew, for a full sync, which rewrites everything.
 func (l *Ledger) reset() {
 	l.synced = false
-	l.chains = map[string]known{}
-	l.unsure = map[string]bool{}
+	l.chains = map[chainKey]known{}
+	l.unsure = map[chainKey]bool{}
 }
 
 // differs says whether c must be written: kpipe never wrote it, wrote other
@@ -64,25 +66,18 @@ func (l *Ledger) differs(table string, c bus.Chain) bool {
 // written) and the plan does not have.
 func (l *Ledger) unwanted(table string, wanted map[string]bool) []string {
 	var out []string
-	seen := map[string]bool{}
-	for _, m := range []map[string]bool{l.unsure, keysOf(l.chains)} {
-		for k := range m {
-			t, chain, _ := strings.Cut(k, "/")
-			if t == table && nf.IsOwned(chain) && !wanted[chain] && !seen[chain] {
-				seen[chain] = true
-				out = append(out, chain)
-			}
+	drop := func(k chainKey) bool { return k.table == table && !wanted[k.chain] && nf.IsOwned(k.chain) }
+	for k := range l.chains {
+		if drop(k) {
+			out = append(out, k.chain)
+		}
+	}
+	for k := range l.unsure {
+		if _, known := l.chains[k]; !known && drop(k) {
+			out = append(out, k.chain)
 		}
 	}
 	sortForDelete(out)
-	return out
-}
-
-func keysOf(m map[string]known) map[string]bool {
-	out := make(map[string]bool, len(m))
-	for k := range m {
-		out[k] = true
-	}
 	return out
 }
 

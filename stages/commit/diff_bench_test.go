@@ -1,0 +1,41 @@
+package commit
+
+import (
+	"context"
+	"testing"
+
+	"github.com/kpipe/kpipe/bus"
+	nf "github.com/kpipe/kpipe/netfilter"
+	"github.com/kpipe/kpipe/stages/render"
+)
+
+// BenchmarkWorkOutChanges is what commit spends, besides the kernel, to find
+// what one changed service means at 10,000 services: comparing every chain of
+// the plan with its ledger, ordering and assembling the write (the kernel does
+// nothing here).
+func BenchmarkWorkOutChanges(b *testing.B) {
+	st := render.SyntheticState(10000, 10)
+	same := render.Render(fakeConfig, &bus.Snapshot{State: st})
+	changed := render.Render(fakeConfig, &bus.Snapshot{State: withOneChange(st)})
+	s := testStage(nullKernel{})
+	if err := s.apply(context.Background(), same); err != nil {
+		b.Fatal(err)
+	}
+	i := 0
+	for b.Loop() {
+		if err := s.apply(context.Background(), []*bus.Plan{changed, same}[i%2]); err != nil {
+			b.Fatal(err)
+		}
+		i++
+	}
+}
+
+// nullKernel takes every write and holds nothing.
+type nullKernel struct{}
+
+func (nullKernel) Restore(context.Context, []byte) error { return nil }
+func (nullKernel) Digests(context.Context, string, []string) (map[string]uint64, error) {
+	return map[string]uint64{}, nil
+}
+func (nullKernel) EnsureJumps(context.Context, []nf.Jump) error { return nil }
+func (nullKernel) WriteSysctl(string, string) error             { return nil }
