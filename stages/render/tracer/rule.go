@@ -275,6 +275,9 @@ func (p *ruleParser) inModule(opt string) error {
 	if !known {
 		return fmt.Errorf("unknown option %s", opt)
 	}
+	if opt == "--dport" && p.proto != "" {
+		return nil // -p tcp loads the tcp match too
+	}
 	if !slices.Contains(mods, p.module) {
 		return fmt.Errorf("%s after -m %q", opt, p.module)
 	}

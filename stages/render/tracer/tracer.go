@@ -309,7 +309,7 @@ func (t *tracer) afterNAT(from string, f *flow) []*flow {
 // hook runs a built-in chain; a path that ACCEPTs there (or is NATed, which ends
 // the nat table for this hook) goes on to the next hook.
 func (t *tracer) hook(table, chain string, f *flow) []*flow {
-	f = f.with(table + "/" + chain + ": (hook)")
+	f = f.with(table + "/" + chain + ": (entered)")
 	out := t.runChain(table, chain, f, 0)
 	for _, f := range out {
 		if f.verdict == Accept {

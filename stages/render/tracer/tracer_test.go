@@ -152,6 +152,19 @@ func TestGotoAndReturn(t *testing.T) {
 	}
 }
 
+// TestImplicitProtocolMatch: "-p tcp --dport" needs no "-m tcp", as in iptables.
+func TestImplicitProtocolMatch(t *testing.T) {
+	p := plan(fixed(map[string][]string{
+		nf.ChainServices: {"-p tcp -d 10.96.0.1/32 --dport 80 -j DNAT --to-destination 10.244.1.5:8080"},
+	}), filterChains(nil))
+	if res := Trace(p, nodeIPs, nil, tcp(podSrc, vip, 80)); res.Err != nil || len(res.Endpoints) != 1 {
+		t.Errorf("got %v, want one endpoint", res)
+	}
+	if res := Trace(p, nodeIPs, nil, tcp(podSrc, vip, 81)); res.Err != nil || len(res.Endpoints) != 0 {
+		t.Errorf("port 81: got %v, want no endpoint", res)
+	}
+}
+
 // TestFilterVerdicts: REJECT and DROP in filter end the packet; ACCEPT in a
 // kpipe chain ends filter for that hook; the localnet firewall drops an
 // unDNATed packet from outside to 127.0.0.1 but lets a DNATed one through, even
