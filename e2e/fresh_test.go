@@ -38,7 +38,7 @@ func convergeToFresh(t *testing.T, from time.Time, timeout time.Duration) (time.
 		}
 		time.Sleep(250 * time.Millisecond)
 	}
-	t.Logf("node's rules still differ from a fresh kpipe's %v after %v; running a fresh kpipe again", timeout, since(from))
+	t.Logf("node's rules still differ from a fresh kpipe's after waiting %v (%v since the start); running a fresh kpipe again", timeout, since(from))
 	if want, err = tb.FreshRules(); err != nil {
 		t.Fatal(err)
 	}
