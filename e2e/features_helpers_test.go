@@ -270,54 +270,105 @@ func expectExactly(t *testing.T, what string, d dialer, ns, addr string, want []
 	return h
 }
 
-// eventuallyDropped waits until a request from ns to addr times out: dropped,
-// neither answered nor refused. d should have a short timeout (tcp1, udp1).
+// A negative outcome (dropped, refused, unanswered) counts once it holds for
+// settleRequests requests in a row, settleInterval apart: a rule that flaps
+// must not pass on a lucky first try.
+const (
+	settleRequests = 5
+	settleInterval = 100 * time.Millisecond
+)
+
+// eventuallyConsistently waits (up to 20 s) until a request from ns to addr
+// has the outcome check accepts: kpipe has converged. Then the next
+// settleRequests-1 requests, settleInterval apart, must have it too;
+// otherwise the test fails with the outcomes seen, in order. It returns the
+// outcomes.
+func eventuallyConsistently(t *testing.T, what string, d dialer, ns, addr string, check func(testbed.Answer, error) error) []string {
+	t.Helper()
+	seen, err := settle(20*time.Second, d, ns, addr, check)
+	if err != nil {
+		t.Fatalf("%s: %v", what, err)
+	}
+	return seen
+}
+
+// settle is eventuallyConsistently's work: it returns the outcomes of the
+// requests from the first accepted one on, or why they do not count.
+func settle(timeout time.Duration, d dialer, ns, addr string, check func(testbed.Answer, error) error) ([]string, error) {
+	var seen []string
+	try := func() error {
+		a, err := d(ns, addr)
+		seen = append(seen, outcome(a, err))
+		return check(a, err)
+	}
+	if err := testbed.Poll(timeout, 100*time.Millisecond, func() error {
+		seen = seen[:0]
+		return try()
+	}); err != nil {
+		return nil, fmt.Errorf("not so after %v: %w", timeout, err)
+	}
+	for i := 2; i <= settleRequests; i++ {
+		time.Sleep(settleInterval)
+		if err := try(); err != nil {
+			return seen, fmt.Errorf("%s from %s flapped: request %d of %d in a row after it first held: %w (outcomes in order: %s)",
+				addr, short(ns), i, settleRequests, err, strings.Join(seen, "; "))
+		}
+	}
+	return seen, nil
+}
+
+// outcome says in a few words what became of a request.
+func outcome(a testbed.Answer, err error) string {
+	switch {
+	case err == nil:
+		return "answered by " + a.Endpoint + " (source seen " + a.SeenSource + ")"
+	case errors.Is(err, testbed.ErrRefused):
+		return "refused"
+	case errors.Is(err, testbed.ErrTimeout):
+		return "timed out"
+	}
+	return "error: " + err.Error()
+}
+
+// eventuallyDropped waits until requests from ns to addr time out: dropped,
+// neither answered nor refused (see eventuallyConsistently). d should have a
+// short timeout (tcp1, udp1).
 func eventuallyDropped(t *testing.T, what string, d dialer, ns, addr string) {
 	t.Helper()
 	start := time.Now()
-	testbed.Eventually(t, 20*time.Second, func() error {
-		a, err := d(ns, addr)
-		switch {
-		case err == nil:
-			return fmt.Errorf("%s: %s from %s answered by %s (source seen %s), want it dropped", what, addr, short(ns), a.Endpoint, a.SeenSource)
-		case !errors.Is(err, testbed.ErrTimeout):
-			return fmt.Errorf("%s: want a timeout (dropped), got %w", what, err)
+	eventuallyConsistently(t, what, d, ns, addr, func(a testbed.Answer, err error) error {
+		if err == nil || !errors.Is(err, testbed.ErrTimeout) {
+			return fmt.Errorf("%s, want it dropped (a timeout)", outcome(a, err))
 		}
 		return nil
 	})
-	t.Logf("%s: %s from %s dropped (checked within %v)", what, addr, short(ns), since(start))
+	t.Logf("%s: %s from %s dropped, %d times in a row (checked within %v)", what, addr, short(ns), settleRequests, since(start))
 }
 
-// eventuallyRefused waits until a request from ns to addr is refused.
+// eventuallyRefused waits until requests from ns to addr are refused (see
+// eventuallyConsistently).
 func eventuallyRefused(t *testing.T, what string, d dialer, ns, addr string) {
 	t.Helper()
-	testbed.Eventually(t, 20*time.Second, func() error {
-		a, err := d(ns, addr)
-		switch {
-		case err == nil:
-			return fmt.Errorf("%s: %s from %s answered by %s, want it refused", what, addr, short(ns), a.Endpoint)
-		case !errors.Is(err, testbed.ErrRefused):
-			return fmt.Errorf("%s: want refused, got %w", what, err)
+	eventuallyConsistently(t, what, d, ns, addr, func(a testbed.Answer, err error) error {
+		if err == nil || !errors.Is(err, testbed.ErrRefused) {
+			return fmt.Errorf("%s, want it refused", outcome(a, err))
 		}
 		return nil
 	})
-	t.Logf("%s: %s from %s refused", what, addr, short(ns))
+	t.Logf("%s: %s from %s refused, %d times in a row", what, addr, short(ns), settleRequests)
 }
 
-// eventuallyUnanswered waits until a request from ns to addr fails, refused
-// or timed out: no endpoint answers it.
+// eventuallyUnanswered waits until requests from ns to addr fail, refused or
+// timed out: no endpoint answers them (see eventuallyConsistently).
 func eventuallyUnanswered(t *testing.T, what string, d dialer, ns, addr string) {
 	t.Helper()
-	var last error
-	testbed.Eventually(t, 20*time.Second, func() error {
-		a, err := d(ns, addr)
+	seen := eventuallyConsistently(t, what, d, ns, addr, func(a testbed.Answer, err error) error {
 		if err == nil {
-			return fmt.Errorf("%s: %s from %s answered by %s (source seen %s), want no answer", what, addr, short(ns), a.Endpoint, a.SeenSource)
+			return fmt.Errorf("%s, want no answer", outcome(a, err))
 		}
-		last = err
 		return nil
 	})
-	t.Logf("%s: %s from %s not answered: %v", what, addr, short(ns), last)
+	t.Logf("%s: %s from %s not answered, %d times in a row: %s", what, addr, short(ns), settleRequests, strings.Join(seen, "; "))
 }
 
 // short names a test bed namespace by its role ("node", "client", "pod11").

@@ -26,9 +26,12 @@ type Kpipe struct {
 	// Args are the flags every start gets (see DefaultKpipeArgs); extra flags
 	// given to Start come after them.
 	Args []string
+	// ns is the network namespace kpipe runs in; "" is the node's.
+	ns string
 
 	mu        sync.Mutex
 	proc      *Process
+	extra     []string // the extra flags of the current start
 	starts    int
 	logOffset int64 // where the current process's part of the log starts
 }
@@ -88,8 +91,9 @@ func (k *Kpipe) Start(extra ...string) error {
 		k.mu.Unlock()
 		return errors.New("kpipe is already running")
 	}
-	argv := append([]string{"ip", "netns", "exec", k.tb.NodeNS, k.Bin}, k.Args...)
+	argv := append([]string{"ip", "netns", "exec", k.netns(), k.Bin}, k.Args...)
 	argv = append(argv, extra...)
+	k.extra = append([]string(nil), extra...)
 	if st, err := os.Stat(k.LogPath); err == nil {
 		k.logOffset = st.Size()
 	} else {
@@ -109,7 +113,7 @@ func (k *Kpipe) Start(extra ...string) error {
 		if p.Exited() {
 			return fmt.Errorf("kpipe exited during start-up: %v\n--- kpipe log (%s):\n%s", p.ExitErr(), k.LogPath, p.Tail(40))
 		}
-		code, body, err := k.tb.HTTPGet(k.tb.NodeNS, HealthzURL+"/healthz")
+		code, body, err := k.tb.HTTPGet(k.netns(), HealthzURL+"/healthz")
 		if err == nil && code == 200 {
 			return k.WaitSynced(time.Until(deadline))
 		}
@@ -123,6 +127,22 @@ func (k *Kpipe) Start(extra ...string) error {
 		}
 		time.Sleep(100 * time.Millisecond)
 	}
+}
+
+// netns is the network namespace kpipe runs in.
+func (k *Kpipe) netns() string {
+	if k.ns == "" {
+		return k.tb.NodeNS
+	}
+	return k.ns
+}
+
+// CurrentArgs are the flags of the current (or last) start: Args, then the
+// extra flags given to Start.
+func (k *Kpipe) CurrentArgs() []string {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	return append(append([]string(nil), k.Args...), k.extra...)
 }
 
 // Stop sends SIGTERM and waits for kpipe to exit (SIGKILL after 15 s). It

@@ -40,6 +40,16 @@ func (h *nsHandles) get(name string) (netns.NsHandle, error) {
 	return fd, nil
 }
 
+// drop closes the cached handle of namespace name, if any.
+func (h *nsHandles) drop(name string) {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	if fd, ok := h.m[name]; ok {
+		fd.Close()
+		delete(h.m, name)
+	}
+}
+
 func (h *nsHandles) closeAll() {
 	h.mu.Lock()
 	defer h.mu.Unlock()

@@ -2,6 +2,7 @@ package testbed
 
 import (
 	"fmt"
+	"slices"
 	"strconv"
 	"strings"
 	"time"
@@ -76,6 +77,17 @@ func (tb *Testbed) addNamespace(name string) error {
 		return err
 	}
 	_, err := tb.Exec(name, "ip", "link", "set", "lo", "up")
+	return err
+}
+
+// removeNamespace deletes a namespace made by addNamespace before the test
+// bed ends (killing what still runs in it) and forgets it.
+func (tb *Testbed) removeNamespace(name string) error {
+	tb.handles.drop(name)
+	err := deleteNamespace(name)
+	tb.mu.Lock()
+	tb.namespaces = slices.DeleteFunc(tb.namespaces, func(ns string) bool { return ns == name })
+	tb.mu.Unlock()
 	return err
 }
 

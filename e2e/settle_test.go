@@ -1,0 +1,42 @@
+package e2e
+
+import (
+	"errors"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/kpipe/kpipe/e2e/testbed"
+)
+
+// The negative helpers (eventuallyDropped, ...) must not pass on a lucky
+// first try: a fake request that is refused every other time never settles.
+func TestNegativeHelpersRejectAFlappingOutcome(t *testing.T) {
+	n := 0
+	flapping := func(ns, addr string) (testbed.Answer, error) {
+		n++
+		if n%2 == 1 {
+			return testbed.Answer{}, testbed.ErrRefused
+		}
+		return testbed.Answer{Endpoint: "10.244.0.11", SeenSource: "10.244.0.21:40000"}, nil
+	}
+	refused := func(a testbed.Answer, err error) error {
+		if err == nil {
+			return errAnswered
+		}
+		return nil
+	}
+	_, err := settle(time.Second, flapping, "kpe2e-x-client", "10.96.0.10:80", refused)
+	if err == nil || !strings.Contains(err.Error(), "flapped") {
+		t.Fatalf("a refused/answered/refused/... series settled: %v", err)
+	}
+	t.Logf("flapping series rejected: %v", err)
+
+	always := func(ns, addr string) (testbed.Answer, error) { return testbed.Answer{}, testbed.ErrRefused }
+	seen, err := settle(time.Second, always, "kpe2e-x-client", "10.96.0.10:80", refused)
+	if err != nil || len(seen) != settleRequests {
+		t.Fatalf("a steadily refused series: %v, outcomes %v", err, seen)
+	}
+}
+
+var errAnswered = errors.New("answered")
