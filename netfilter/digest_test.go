@@ -7,11 +7,15 @@ import (
 	"fmt"
 	"maps"
 	"net"
+	"os"
 	"os/exec"
 	"slices"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
+
+	"github.com/mdlayher/netlink"
 
 	"github.com/kpipe/kpipe/bus"
 	"github.com/kpipe/kpipe/netfilter/netnstest"
@@ -555,4 +559,24 @@ func BenchmarkDigests(b *testing.B) {
 			return nil
 		})
 	})
+}
+
+// Only errors that say netlink is closed to this process send Digests to
+// iptables-save for good; others (a missing table, a timeout) are answers or
+// errors of one read.
+func TestNetlinkUnusable(t *testing.T) {
+	closed := []error{
+		&netlink.OpError{Op: "dial", Err: os.NewSyscallError("socket", syscall.EPROTONOSUPPORT)},
+		fmt.Errorf("nf_tables generation: %w", syscall.EPERM),
+	}
+	for _, err := range closed {
+		if !netlinkUnusable(err) {
+			t.Errorf("netlinkUnusable(%v) = false; want true", err)
+		}
+	}
+	for _, err := range []error{nil, syscall.ENOENT, os.ErrDeadlineExceeded, context.Canceled, errChanged} {
+		if netlinkUnusable(err) {
+			t.Errorf("netlinkUnusable(%v) = true; want false", err)
+		}
+	}
 }
