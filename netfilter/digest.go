@@ -1,39 +1,664 @@
 package netfilter
 
 import (
+	"bytes"
 	"context"
-	"hash/fnv"
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"slices"
+	"strings"
+	"sync"
+	"syscall"
+	"time"
+
+	"github.com/mdlayher/netlink"
+
+	"github.com/kpipe/kpipe/bus"
 )
 
 // Digests returns, for each chain of table (all chains when names is nil; only
-// those that exist when names is given), a digest of its rules: equal digests
-// mean the same rules in the same order.
+// those that exist when names is given), a digest of its rules as the kernel
+// holds them: equal digests mean the same rules in the same order. Counters
+// (which change with traffic) and rule handles are left out.
+//
+// On the nf_tables backend it reads the rules straight from the kernel over
+// netlink: with names, one small dump per chain (0.2 ms for one chain, 0.35 s for
+// 4,000, however large the table); without, one dump of the whole table, whose
+// cost grows with the square of its size (0.3 s for 40,000 rules, 3.5 s for
+// 120,000; iptables-save takes 1 s and 6.5 s). So ask by name. On the legacy backend
+// it hashes what iptables -S (one name) or iptables-save print. The two kinds of
+// digest are not comparable, so a process keeps to one kind per iptables binary:
+// compare digests only with digests from the same process.
 func (t Tool) Digests(ctx context.Context, table string, names []string) (map[string]uint64, error) {
-	all, err := t.Save(ctx, table)
+	if names != nil && len(names) == 0 {
+		return map[string]uint64{}, nil
+	}
+	nft, err := t.onNFTables(ctx)
 	if err != nil {
 		return nil, err
 	}
-	out := map[string]uint64{}
-	for name, rules := range all {
-		out[name] = digestLines(rules)
-	}
-	if names == nil {
-		return out, nil
-	}
-	some := make(map[string]uint64, len(names))
-	for _, n := range names {
-		if d, ok := out[n]; ok {
-			some[n] = d
+	if nft {
+		d, err := t.netlinkDigests(ctx, table, names)
+		if !netlinkUnusable(err) {
+			return d, err
 		}
+		// Netlink is closed to us (no permission, no nf_tables protocol):
+		// iptables-save still works, and from now on this process uses it.
+		backends.set(t.binary(""), false)
 	}
-	return some, nil
+	return t.savedDigests(ctx, table, names)
 }
 
-func digestLines(rules []string) uint64 {
-	h := fnv.New64a()
-	for _, r := range rules {
-		h.Write([]byte(r))
-		h.Write([]byte{'\n'})
+// backendCache remembers, per iptables binary, whether it is the nf_tables backend.
+// Only answers are remembered: a failed `iptables -V` is asked again next time.
+type backendCache struct {
+	mu  sync.Mutex
+	nft map[string]bool
+}
+
+var backends = backendCache{nft: map[string]bool{}}
+
+func (c *backendCache) get(binary string) (nft, known bool) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	nft, known = c.nft[binary]
+	return nft, known
+}
+
+func (c *backendCache) set(binary string, nft bool) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	c.nft[binary] = nft
+}
+
+// onNFTables says whether t's iptables is the nf_tables backend: `iptables -V`
+// prints "(nf_tables)" (iptables-legacy prints "(legacy)").
+func (t Tool) onNFTables(ctx context.Context) (bool, error) {
+	binary := t.binary("")
+	if nft, known := backends.get(binary); known {
+		return nft, nil
 	}
-	return h.Sum64()
+	out, err := t.runTool(ctx, binary, nil, "-V")
+	if err != nil {
+		return false, fmt.Errorf("which iptables backend: %w", err)
+	}
+	nft := bytes.Contains(out, []byte("(nf_tables)"))
+	backends.set(binary, nft)
+	return nft, nil
+}
+
+// netlinkUnusable says whether err means that this process cannot use nf_tables
+// netlink at all (rather than that one read failed).
+func netlinkUnusable(err error) bool {
+	for _, e := range []error{syscall.EPERM, syscall.EACCES, syscall.EPROTONOSUPPORT, syscall.EAFNOSUPPORT, syscall.EOPNOTSUPP} {
+		if errors.Is(err, e) {
+			return true
+		}
+	}
+	return false
+}
+
+// nf_tables netlink, from the kernel's uapi linux/netfilter/nf_tables.h and
+// nfnetlink.h (golang.org/x/sys/unix has them too, but is not a direct dependency).
+const (
+	nfnlSubsysNFTables = 10 // NFNL_SUBSYS_NFTABLES
+	nfprotoIPv4        = 2  // NFPROTO_IPV4
+	nfprotoIPv6        = 10 // NFPROTO_IPV6
+
+	nftMsgNewChain = 3    // NFT_MSG_NEWCHAIN: how the kernel answers GETCHAIN
+	nftMsgGetChain = 4    // NFT_MSG_GETCHAIN
+	nftMsgNewRule  = 6    // NFT_MSG_NEWRULE: how the kernel answers GETRULE
+	nftMsgGetRule  = 7    // NFT_MSG_GETRULE
+	nftMsgNewGen   = 0x0f // NFT_MSG_NEWGEN
+	nftMsgGetGen   = 0x10 // NFT_MSG_GETGEN
+
+	nftaChainTable = 1 // NFTA_CHAIN_TABLE
+	nftaChainName  = 3 // NFTA_CHAIN_NAME
+
+	nftaRuleTable       = 1 // NFTA_RULE_TABLE
+	nftaRuleChain       = 2 // NFTA_RULE_CHAIN
+	nftaRuleHandle      = 3 // NFTA_RULE_HANDLE
+	nftaRuleExpressions = 4 // NFTA_RULE_EXPRESSIONS
+	nftaRuleCompat      = 5 // NFTA_RULE_COMPAT
+	nftaRuleUserdata    = 7 // NFTA_RULE_USERDATA
+
+	nftaListElem = 1 // NFTA_LIST_ELEM
+	nftaExprName = 1 // NFTA_EXPR_NAME
+	nftaExprData = 2 // NFTA_EXPR_DATA
+
+	nftaGenID = 1 // NFTA_GEN_ID
+
+	nfgenmsgLen = 4 // struct nfgenmsg: family, version, res_id (big-endian)
+)
+
+// readTries bounds how often netlinkDigests reads again when the ruleset changed
+// while it read.
+const readTries = 5
+
+// errChanged says that the ruleset changed during a read, which is then unusable.
+var errChanged = errors.New("nf_tables ruleset changed during the read")
+
+// recvSize is the receive buffer. The kernel fills at most 32 KiB per part of a
+// dump, and only that much when the reader offers as much: with one page per
+// part (mdlayher/netlink's Receive), a table of 40,000 rules takes 8,000 parts,
+// and the kernel walks the table from its start again for each.
+const recvSize = 64 << 10
+
+// netlinkDigests reads the chains and rules of table from the kernel. Chains and
+// rules come in separate dumps; the ruleset generation, read before and after,
+// says whether they are of one ruleset, else it reads again.
+func (t Tool) netlinkDigests(ctx context.Context, table string, names []string) (map[string]uint64, error) {
+	conn, err := netlink.Dial(syscall.NETLINK_NETFILTER, nil)
+	if err != nil {
+		return nil, fmt.Errorf("nf_tables netlink: %w", err)
+	}
+	defer conn.Close()
+	raw, err := conn.SyscallConn()
+	if err != nil {
+		return nil, err
+	}
+	// A deadline in the past wakes a blocked read when ctx ends.
+	stop := context.AfterFunc(ctx, func() { conn.SetDeadline(time.Unix(1, 0)) })
+	defer stop()
+	if deadline, ok := ctx.Deadline(); ok {
+		if err := conn.SetDeadline(deadline); err != nil {
+			return nil, err
+		}
+	}
+	n := &nftReader{conn: conn, raw: raw, buf: make([]byte, recvSize), family: nfprotoIPv4, table: table}
+	if t.Family == bus.IPv6 {
+		n.family = nfprotoIPv6
+	}
+	for range readTries {
+		d, err := n.digests(names)
+		if ctx.Err() != nil {
+			return nil, fmt.Errorf("read %s over netlink: %w", table, ctx.Err())
+		}
+		if !errors.Is(err, errChanged) {
+			return d, err
+		}
+	}
+	return nil, fmt.Errorf("read %s over netlink: %w %d times", table, errChanged, readTries)
+}
+
+// nftReader reads one nf_tables table of one family.
+type nftReader struct {
+	conn   *netlink.Conn
+	raw    syscall.RawConn // conn's socket, read with buf
+	buf    []byte
+	family uint8
+	table  string
+}
+
+// digests reads once: errChanged when the ruleset changed meanwhile.
+func (n *nftReader) digests(names []string) (map[string]uint64, error) {
+	before, err := n.generation()
+	if err != nil {
+		return nil, err
+	}
+	chains, err := n.chains(names)
+	if err != nil {
+		return nil, err
+	}
+	if len(chains) > 0 {
+		if err := n.hashRules(chains, names != nil); err != nil {
+			return nil, err
+		}
+	}
+	after, err := n.generation()
+	if err != nil {
+		return nil, err
+	}
+	if after != before {
+		return nil, errChanged
+	}
+	d := make(map[string]uint64, len(chains))
+	for name, h := range chains {
+		d[name] = uint64(*h)
+	}
+	return d, nil
+}
+
+// request builds an nf_tables message: nfgenmsg, then attrs.
+func (n *nftReader) request(msgType int, flags netlink.HeaderFlags, attrs func(*netlink.AttributeEncoder)) (netlink.Message, error) {
+	ae := netlink.NewAttributeEncoder()
+	if attrs != nil {
+		attrs(ae)
+	}
+	b, err := ae.Encode()
+	if err != nil {
+		return netlink.Message{}, err
+	}
+	data := append([]byte{n.family, 0, 0, 0}, b...) // NFNETLINK_V0, res_id 0
+	return netlink.Message{
+		Header: netlink.Header{Type: netlink.HeaderType(nfnlSubsysNFTables<<8 | msgType), Flags: netlink.Request | flags},
+		Data:   data,
+	}, nil
+}
+
+// query sends req and calls each with the attributes of every reply of type
+// want. A dump is always read to its end (the socket takes no new dump before);
+// the first error wins. A dump the kernel marks as interrupted is errChanged.
+func (n *nftReader) query(req netlink.Message, want int, each func(attrs []byte) error) error {
+	sent, err := n.conn.Send(req)
+	if err != nil {
+		return err
+	}
+	var first error
+	keep := func(err error) {
+		if first == nil {
+			first = err
+		}
+	}
+	for {
+		msgs, err := n.receive()
+		if err != nil {
+			return err
+		}
+		for _, m := range msgs {
+			if m.Header.Seq != sent.Header.Sequence {
+				continue // a late reply to an earlier request
+			}
+			if m.Header.Flags&uint16(netlink.DumpInterrupted) != 0 {
+				keep(errChanged)
+			}
+			switch m.Header.Type {
+			case syscall.NLMSG_ERROR, syscall.NLMSG_DONE:
+				keep(replyErrno(m.Data))
+				return first
+			case uint16(nfnlSubsysNFTables<<8 | want):
+				if len(m.Data) < nfgenmsgLen {
+					keep(fmt.Errorf("nf_tables reply of %d bytes", len(m.Data)))
+				} else {
+					keep(each(m.Data[nfgenmsgLen:]))
+				}
+			}
+			if m.Header.Flags&syscall.NLM_F_MULTI == 0 {
+				return first // a single reply, not a dump
+			}
+		}
+	}
+}
+
+// receive reads the next batch of messages.
+func (n *nftReader) receive() ([]syscall.NetlinkMessage, error) {
+	var size, flags int
+	var recvErr error
+	err := n.raw.Read(func(fd uintptr) bool {
+		size, _, flags, _, recvErr = syscall.Recvmsg(int(fd), n.buf, nil, 0)
+		return recvErr != syscall.EAGAIN
+	})
+	if err == nil {
+		err = recvErr
+	}
+	if err != nil {
+		return nil, fmt.Errorf("nf_tables netlink receive: %w", err)
+	}
+	if flags&syscall.MSG_TRUNC != 0 {
+		return nil, fmt.Errorf("nf_tables netlink receive: a message longer than %d bytes", len(n.buf))
+	}
+	return syscall.ParseNetlinkMessage(n.buf[:size])
+}
+
+// replyErrno is the error an NLMSG_ERROR or NLMSG_DONE message carries (a negative
+// errno first; 0 for none).
+func replyErrno(data []byte) error {
+	if len(data) < 4 {
+		return nil
+	}
+	if code := int32(binary.NativeEndian.Uint32(data)); code < 0 {
+		return syscall.Errno(-code)
+	}
+	return nil
+}
+
+// generation reads the ruleset generation, which every change of any table bumps.
+func (n *nftReader) generation() (uint32, error) {
+	req, err := n.request(nftMsgGetGen, 0, nil)
+	if err != nil {
+		return 0, err
+	}
+	var gen uint32
+	err = n.query(req, nftMsgNewGen, func(attrs []byte) error {
+		return forEachAttr(attrs, func(typ uint16, v []byte) error {
+			if typ == nftaGenID && len(v) == 4 {
+				gen = binary.BigEndian.Uint32(v)
+			}
+			return nil
+		})
+	})
+	if err != nil {
+		return 0, fmt.Errorf("nf_tables generation: %w", err)
+	}
+	return gen, nil
+}
+
+// chains returns an empty running hash for each chain of the table that is in
+// names (every chain when names is nil; names is never empty).
+func (n *nftReader) chains(names []string) (map[string]*digest, error) {
+	chains := map[string]*digest{}
+	var wanted map[string]bool
+	if names != nil {
+		wanted = make(map[string]bool, len(names))
+		for _, name := range names {
+			wanted[name] = true
+		}
+	}
+	var req netlink.Message
+	var err error
+	if len(names) == 1 {
+		// Ask for the one chain: the kernel says ENOENT when it is not there.
+		req, err = n.request(nftMsgGetChain, 0, func(ae *netlink.AttributeEncoder) {
+			ae.String(nftaChainTable, n.table)
+			ae.String(nftaChainName, names[0])
+		})
+	} else {
+		req, err = n.request(nftMsgGetChain, netlink.Dump, func(ae *netlink.AttributeEncoder) {
+			ae.String(nftaChainTable, n.table)
+		})
+	}
+	if err != nil {
+		return nil, err
+	}
+	err = n.query(req, nftMsgNewChain, func(attrs []byte) error {
+		var table, name []byte
+		err := forEachAttr(attrs, func(typ uint16, v []byte) error {
+			switch typ {
+			case nftaChainTable:
+				table = cString(v)
+			case nftaChainName:
+				name = cString(v)
+			}
+			return nil
+		})
+		if err == nil && string(table) == n.table && (wanted == nil || wanted[string(name)]) {
+			chains[string(name)] = newDigest()
+		}
+		return err
+	})
+	if errors.Is(err, syscall.ENOENT) { // the chain, or the whole table, is not there
+		return map[string]*digest{}, nil
+	}
+	if err != nil {
+		return nil, fmt.Errorf("nf_tables chains of %s: %w", n.table, err)
+	}
+	return chains, nil
+}
+
+// hashRules folds the rules of the chains into their hashes, in the kernel's
+// order: with one dump of the whole table, or, when perChain, with one dump per
+// chain (the kernel resumes each part of a dump by walking the table from its
+// start, so the table's dump costs the square of its size; a chain's dump only
+// that chain).
+func (n *nftReader) hashRules(chains map[string]*digest, perChain bool) error {
+	// The kernel resumes each part of a dump at a count of the rules it went
+	// through, counting the not yet committed rules of a writer's transaction
+	// too: when such rules come or go between two parts, the next part repeats
+	// rules (seen on 6.18), and the generation does not change. A rule's handle is
+	// unique in its table, so a repeat is dropped.
+	seen := map[uint64]struct{}{}
+	fold := func(attrs []byte) error {
+		r, err := decodeRule(attrs)
+		if err != nil {
+			return err
+		}
+		if _, repeat := seen[r.handle]; repeat {
+			return nil
+		}
+		seen[r.handle] = struct{}{}
+		if d, ok := chains[string(r.chain)]; ok && string(r.table) == n.table {
+			return r.hashInto(d)
+		}
+		return nil
+	}
+	dump := func(chain string) error {
+		req, err := n.request(nftMsgGetRule, netlink.Dump, func(ae *netlink.AttributeEncoder) {
+			ae.String(nftaRuleTable, n.table)
+			if chain != "" {
+				ae.String(nftaRuleChain, chain)
+			}
+		})
+		if err != nil {
+			return err
+		}
+		err = n.query(req, nftMsgNewRule, fold)
+		if errors.Is(err, syscall.ENOENT) { // the chain went after the chain dump
+			return errChanged
+		}
+		if err != nil {
+			return fmt.Errorf("nf_tables rules of %s %s: %w", n.table, chain, err)
+		}
+		return nil
+	}
+	if !perChain {
+		return dump("")
+	}
+	for chain := range chains {
+		if err := dump(chain); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// forEachAttr calls f with the type and payload of each netlink attribute in b.
+func forEachAttr(b []byte, f func(typ uint16, payload []byte) error) error {
+	for len(b) > 0 {
+		if len(b) < 4 {
+			return errors.New("nf_tables: a truncated attribute")
+		}
+		size := int(binary.NativeEndian.Uint16(b))
+		typ := binary.NativeEndian.Uint16(b[2:]) & attrTypeMask
+		if size < 4 || size > len(b) {
+			return fmt.Errorf("nf_tables: an attribute of %d bytes in %d", size, len(b))
+		}
+		if err := f(typ, b[4:size]); err != nil {
+			return err
+		}
+		b = b[min(len(b), (size+3)&^3):] // attributes are 4-byte aligned
+	}
+	return nil
+}
+
+// attrTypeMask clears the nested and byte-order flags of an attribute's type.
+const attrTypeMask = 0x3fff
+
+// cString is a NUL-terminated string attribute, without the NUL (not copied).
+func cString(b []byte) []byte {
+	if i := bytes.IndexByte(b, 0); i >= 0 {
+		return b[:i]
+	}
+	return b
+}
+
+// rule is what of one nf_tables rule goes into a digest; its slices point into
+// the receive buffer.
+type rule struct {
+	table, chain []byte
+	handle       uint64 // not hashed: a rewrite gives a rule a new one
+	exprs        []byte // NFTA_RULE_EXPRESSIONS: a list of expressions
+	compat       []byte // NFTA_RULE_COMPAT: the protocol an xt match was checked for
+	userdata     []byte // NFTA_RULE_USERDATA: nft's comments (iptables-nft 1.8.9 writes an xt comment match instead)
+}
+
+func decodeRule(attrs []byte) (rule, error) {
+	var r rule
+	err := forEachAttr(attrs, func(typ uint16, v []byte) error {
+		switch typ {
+		case nftaRuleTable:
+			r.table = cString(v)
+		case nftaRuleChain:
+			r.chain = cString(v)
+		case nftaRuleHandle:
+			if len(v) != 8 {
+				return fmt.Errorf("nf_tables: a rule handle of %d bytes", len(v))
+			}
+			r.handle = binary.BigEndian.Uint64(v)
+		case nftaRuleExpressions:
+			r.exprs = v
+		case nftaRuleCompat:
+			r.compat = v
+		case nftaRuleUserdata:
+			r.userdata = v
+		}
+		return nil
+	})
+	return r, err
+}
+
+// hashInto folds r into d: each expression's name and data, but a counter's
+// (counters change with traffic, not with the rule), then compat and userdata.
+// Every part goes in tagged and length-prefixed, so no two different rule lists
+// hash the same bytes.
+func (r rule) hashInto(d *digest) error {
+	d.writeByte('R')
+	err := forEachAttr(r.exprs, func(typ uint16, elem []byte) error {
+		if typ != nftaListElem {
+			return nil
+		}
+		var name, data []byte
+		err := forEachAttr(elem, func(typ uint16, v []byte) error {
+			switch typ {
+			case nftaExprName:
+				name = cString(v)
+			case nftaExprData:
+				data = v
+			}
+			return nil
+		})
+		if err != nil || string(name) == "counter" {
+			return err
+		}
+		d.writeField('E', name)
+		d.writeField('D', data)
+		return nil
+	})
+	d.writeField('C', r.compat)
+	d.writeField('U', r.userdata)
+	return err
+}
+
+// digest is a running FNV-64a hash.
+type digest uint64
+
+const (
+	fnvOffset digest = 14695981039346656037
+	fnvPrime  digest = 1099511628211
+)
+
+func newDigest() *digest {
+	d := fnvOffset
+	return &d
+}
+
+func (d *digest) writeByte(c byte) {
+	*d ^= digest(c)
+	*d *= fnvPrime
+}
+
+func (d *digest) write(b []byte) {
+	for _, c := range b {
+		d.writeByte(c)
+	}
+}
+
+// writeField writes a tag, the length of b, then b.
+func (d *digest) writeField(tag byte, b []byte) {
+	var head [5]byte
+	head[0] = tag
+	binary.BigEndian.PutUint32(head[1:], uint32(len(b)))
+	d.write(head[:])
+	d.write(b)
+}
+
+// savedDigests hashes the "-A" lines iptables prints (never with counters): of
+// one chain with iptables -S CHAIN, else of the table with iptables-save, which
+// reads the table at once (chain by chain, a writer could come between).
+func (t Tool) savedDigests(ctx context.Context, table string, names []string) (map[string]uint64, error) {
+	d := map[string]uint64{}
+	if len(names) == 1 {
+		rules, err := t.ListChain(ctx, table, names[0])
+		if errors.Is(err, ErrNoChain) {
+			return d, nil
+		}
+		if err != nil {
+			return nil, err
+		}
+		d[names[0]] = hashLines(rules)
+		return d, nil
+	}
+	saved, err := t.Save(ctx, table)
+	if err != nil {
+		return nil, err
+	}
+	if names == nil {
+		for name, rules := range saved {
+			d[name] = hashLines(rules)
+		}
+		return d, nil
+	}
+	for _, name := range names {
+		if rules, ok := saved[name]; ok {
+			d[name] = hashLines(rules)
+		}
+	}
+	return d, nil
+}
+
+func hashLines(lines []string) uint64 {
+	d := newDigest()
+	for _, l := range lines {
+		d.write([]byte(strings.TrimSpace(l)))
+		d.writeByte('\n')
+	}
+	return uint64(*d)
+}
+
+// ChainNames lists the chains of table: over netlink on the nf_tables backend
+// (one chain dump, no rules: milliseconds however large the table), else from
+// iptables-save.
+func (t Tool) ChainNames(ctx context.Context, table string) ([]string, error) {
+	nft, err := t.onNFTables(ctx)
+	if err != nil {
+		return nil, err
+	}
+	if nft {
+		names, err := t.netlinkChainNames(ctx, table)
+		if !netlinkUnusable(err) {
+			return names, err
+		}
+		backends.set(t.binary(""), false)
+	}
+	names, err := t.Chains(ctx, table)
+	slices.Sort(names)
+	return names, err
+}
+
+func (t Tool) netlinkChainNames(ctx context.Context, table string) ([]string, error) {
+	conn, err := netlink.Dial(syscall.NETLINK_NETFILTER, nil)
+	if err != nil {
+		return nil, fmt.Errorf("nf_tables netlink: %w", err)
+	}
+	defer conn.Close()
+	raw, err := conn.SyscallConn()
+	if err != nil {
+		return nil, err
+	}
+	stop := context.AfterFunc(ctx, func() { conn.SetDeadline(time.Unix(1, 0)) })
+	defer stop()
+	n := &nftReader{conn: conn, raw: raw, buf: make([]byte, recvSize), family: nfprotoIPv4, table: table}
+	if t.Family == bus.IPv6 {
+		n.family = nfprotoIPv6
+	}
+	chains, err := n.chains(nil)
+	if err != nil {
+		return nil, err
+	}
+	names := make([]string, 0, len(chains))
+	for name := range chains {
+		names = append(names, name)
+	}
+	slices.Sort(names)
+	return names, nil
 }

@@ -24,6 +24,8 @@ type Kernel interface {
 	// Digests returns a digest of the rules of each chain of table (every chain
 	// when names is nil; of names, those that exist): equal digests, same rules.
 	Digests(ctx context.Context, table string, names []string) (map[string]uint64, error)
+	// ChainNames lists the chains of table.
+	ChainNames(ctx context.Context, table string) ([]string, error)
 	// EnsureJumps puts back any missing jump from a built-in chain.
 	EnsureJumps(ctx context.Context, js []nf.Jump) error
 	// WriteSysctl sets a sysctl such as "net/ipv4/conf/all/route_localnet".
@@ -166,12 +168,12 @@ func (s *Stage) changes(ctx context.Context, tp bus.TablePayload, full, refresh 
 		wanted[c.Name] = true
 	}
 	if full {
-		kernel, err := s.kernel.Digests(ctx, tp.Table, nil)
+		kernel, err := s.kernel.ChainNames(ctx, tp.Table)
 		if err != nil {
 			return tw, err
 		}
 		tw.write = tp.Chains
-		for _, name := range slices.Sorted(maps.Keys(kernel)) {
+		for _, name := range kernel {
 			if nf.IsOwned(name) && !wanted[name] {
 				tw.stale = append(tw.stale, name)
 			}

@@ -37,5 +37,6 @@ func (nullKernel) Restore(context.Context, []byte) error { return nil }
 func (nullKernel) Digests(context.Context, string, []string) (map[string]uint64, error) {
 	return map[string]uint64{}, nil
 }
-func (nullKernel) EnsureJumps(context.Context, []nf.Jump) error { return nil }
-func (nullKernel) WriteSysctl(string, string) error             { return nil }
+func (nullKernel) ChainNames(context.Context, string) ([]string, error) { return nil, nil }
+func (nullKernel) EnsureJumps(context.Context, []nf.Jump) error         { return nil }
+func (nullKernel) WriteSysctl(string, string) error                     { return nil }

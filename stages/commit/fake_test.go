@@ -147,6 +147,11 @@ func (k *fakeKernel) Digests(ctx context.Context, table string, names []string) 
 	return out, nil
 }
 
+func (k *fakeKernel) ChainNames(ctx context.Context, table string) ([]string, error) {
+	all, _ := k.Save(ctx, table)
+	return slices.Sorted(maps.Keys(all)), nil
+}
+
 func (k *fakeKernel) EnsureJumps(context.Context, []nf.Jump) error {
 	k.mu.Lock()
 	defer k.mu.Unlock()
