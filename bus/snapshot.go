@@ -49,8 +49,8 @@ type Plan struct {
 	NoLocalEndpoints map[string]int
 }
 
-// TablePayload is every chain kpipe wants in one table (commit orders them for
-// writing, see netfilter.WriteRank).
+// TablePayload is every chain kpipe wants in one table, in dependency order: a
+// chain after the chains it jumps to (netfilter.Rank), the top-level chains last.
 type TablePayload struct {
 	Table  string // "nat", "filter"
 	Chains []Chain

@@ -5,11 +5,11 @@ import (
 	"testing"
 )
 
-// TestWriteRankOrdersJumpTargetsFirst: every chain ranks below the chains that
-// jump to it: KUBE-MARK-MASQ, endpoint, service, external, firewall chains, then
-// the dispatch chains deepest first (the /24 bucket, its /20, its /16; IPv6 the
-// same at /120, /116, /112); the top-level chains rank -1, written last.
-func TestWriteRankOrdersJumpTargetsFirst(t *testing.T) {
+// TestRankOrdersJumpTargetsFirst: every chain ranks below the chains that jump to
+// it: KUBE-MARK-MASQ, endpoint, service, external, firewall chains, then the
+// dispatch chains deepest first (the /24 bucket, its /20, its /16; IPv6 the same
+// at /120, /116, /112), then the top-level chains.
+func TestRankOrdersJumpTargetsFirst(t *testing.T) {
 	bucket := func(p string) string { return BucketChain(netip.MustParsePrefix(p)) }
 	for _, order := range [][]string{
 		{ChainMarkMasq, PrefixEndpoint + "X", PrefixService + "X", PrefixExternal + "X", PrefixFirewall + "X",
@@ -18,19 +18,19 @@ func TestWriteRankOrdersJumpTargetsFirst(t *testing.T) {
 		{PrefixServiceLocal + "X", PrefixExternal + "X"},
 	} {
 		for i := 1; i < len(order); i++ {
-			if a, b := WriteRank(order[i-1]), WriteRank(order[i]); a >= b {
-				t.Errorf("WriteRank(%s) = %d, not below WriteRank(%s) = %d", order[i-1], a, order[i], b)
+			if a, b := Rank(order[i-1]), Rank(order[i]); a >= b {
+				t.Errorf("Rank(%s) = %d, not below Rank(%s) = %d", order[i-1], a, order[i], b)
 			}
 		}
 	}
 	for _, top := range []string{ChainServices, ChainNodePorts, ChainPostrouting, ChainForward, "KUBE-SVCS"} {
-		if r := WriteRank(top); r != -1 {
-			t.Errorf("WriteRank(%s) = %d, want -1 (top level)", top, r)
+		if r := Rank(top); r <= Rank(bucket("10.96.0.0/16")) {
+			t.Errorf("Rank(%s) = %d, want it above every dispatch chain (top level)", top, r)
 		}
 	}
 	// A bucket of an older kpipe (one level, no prefix length in its name) is still
 	// a bucket, never a top-level chain.
-	if r := WriteRank(PrefixBucket + "W6N74VVXF7X37KSH"); r <= WriteRank(PrefixFirewall+"X") {
+	if r := Rank(PrefixBucket + "W6N74VVXF7X37KSH"); r <= Rank(PrefixFirewall+"X") || r >= Rank(ChainServices) {
 		t.Errorf("old-style bucket ranks %d", r)
 	}
 }
@@ -60,5 +60,45 @@ func TestBucketChainNames(t *testing.T) {
 	}
 	if _, ok := BucketParent(netip.MustParsePrefix("10.96.0.0/16")); ok {
 		t.Error("a /16 has a dispatch parent; want KUBE-SERVICES")
+	}
+}
+
+// TestKinds: what each chain is to kpipe. A full sync deletes disposable chains it
+// does not write: the fixed chains, built-in chains and anybody else's must never
+// be disposable.
+func TestKinds(t *testing.T) {
+	bucket := BucketChain(netip.MustParsePrefix("10.96.1.0/24"))
+	for _, c := range []struct {
+		chain                           string
+		kind                            Kind
+		perService, disposable, checked bool
+	}{
+		{"KUBE-SVC-AAAAAAAAAAAAAAAA", KindService, true, true, false},
+		{"KUBE-SVL-AAAAAAAAAAAAAAAA", KindService, true, true, false},
+		{"KUBE-EXT-AAAAAAAAAAAAAAAA", KindExternal, true, true, false},
+		{"KUBE-FW-AAAAAAAAAAAAAAAA", KindFirewall, true, true, false},
+		{"KUBE-SEP-AAAAAAAAAAAAAAAA", KindEndpoint, true, true, false},
+		{"KUBE-XLB-AAAAAAAAAAAAAAAA", kindLegacy, true, true, false},
+		{bucket, KindDispatch, false, true, true},
+		{ChainServices, KindTop, false, false, true},
+		{ChainExternalServices, KindTop, false, false, true},
+		{ChainNodePorts, KindTop, false, false, true},
+		{ChainPostrouting, KindTop, false, false, true},
+		{ChainForward, KindTop, false, false, true},
+		{ChainProxyFirewall, KindTop, false, false, true},
+		{ChainLocalnetFirewall, KindTop, false, false, true},
+		{ChainMarkMasq, KindMarkMasq, false, false, true},
+	} {
+		k := KindOf(c.chain)
+		if k != c.kind || k.PerService() != c.perService || k.Disposable() != c.disposable || k.Checked() != c.checked {
+			t.Errorf("%s: kind %d per-service %v disposable %v checked %v; want %d %v %v %v", c.chain,
+				k, k.PerService(), k.Disposable(), k.Checked(), c.kind, c.perService, c.disposable, c.checked)
+		}
+	}
+	for _, c := range []string{ChainCanary, "KUBE-MARK-DROP", "KUBE-KUBELET-CANARY", "INPUT", "PREROUTING",
+		"CNI-HOSTPORT-DNAT", "KUBE-SVC", "kube-svc-aaaaaaaaaaaaaaaa", ""} {
+		if k := KindOf(c); k != KindOther || k.Disposable() || k.Checked() {
+			t.Errorf("%q: kind %d; want someone else's chain, never deleted or checked", c, k)
+		}
 	}
 }

@@ -59,8 +59,6 @@ const (
 	bucketHashLen = 28 - len(PrefixBucket+"120-")
 )
 
-// OwnedPrefixes are the chain prefixes whose unused chains a full sync deletes.
-var OwnedPrefixes = []string{PrefixService, PrefixServiceLocal, PrefixExternal, PrefixFirewall, PrefixEndpoint, PrefixBucket, prefixLegacyXLB}
 
 // ServiceChain names the chain of one service port: prefix plus a hash of the
 // port's name and protocol, exactly as kube-proxy names its KUBE-SVC- chains, so a
@@ -77,7 +75,7 @@ func EndpointName(port bus.ServicePortName, endpoint string) string {
 }
 
 // BucketChain names the chain of a destination prefix: "KUBE-SVCS-<bits>-" and a
-// hash of the prefix, so that chains sort by level (see WriteRank).
+// hash of the prefix, so that chains sort by level (see Rank).
 func BucketChain(p netip.Prefix) string {
 	return PrefixBucket + strconv.Itoa(p.Bits()) + "-" + hash(p.String(), bucketHashLen)
 }

@@ -103,8 +103,8 @@ func TestServiceChainStableAndDistinct(t *testing.T) {
 			if !chainName.MatchString(c) {
 				t.Errorf("chain %q has characters outside base32", c)
 			}
-			if !IsOwned(c) {
-				t.Errorf("IsOwned(%q) = false for a per-service chain", c)
+			if !KindOf(c).PerService() {
+				t.Errorf("KindOf(%q) = %d, not a per-service chain", c, KindOf(c))
 			}
 			if prev, dup := seen[c]; dup {
 				t.Errorf("ServiceChain gives %q to both %v and %v", c, prev, p)
@@ -138,26 +138,6 @@ func TestEndpointNameStableAndDistinct(t *testing.T) {
 	}
 	if EndpointName(tcp, "10.244.1.5:8080") == ServiceChain(PrefixService, tcp) {
 		t.Error("endpoint name equals the service chain")
-	}
-}
-
-func TestIsOwned(t *testing.T) {
-	owned := []string{"KUBE-SVC-AAAAAAAAAAAAAAAA", "KUBE-SVL-AAAAAAAAAAAAAAAA", "KUBE-EXT-AAAAAAAAAAAAAAAA",
-		"KUBE-FW-AAAAAAAAAAAAAAAA", "KUBE-SEP-AAAAAAAAAAAAAAAA", "KUBE-XLB-AAAAAAAAAAAAAAAA"}
-	for _, c := range owned {
-		if !IsOwned(c) {
-			t.Errorf("IsOwned(%q) = false", c)
-		}
-	}
-	// A full sync deletes owned chains it does not write: the fixed chains, built-in
-	// chains and anybody else's must never count as owned.
-	notOwned := []string{ChainServices, ChainExternalServices, ChainNodePorts, ChainPostrouting, ChainMarkMasq, ChainForward,
-		ChainProxyFirewall, ChainLocalnetFirewall, ChainCanary, "KUBE-MARK-DROP", "KUBE-KUBELET-CANARY",
-		"INPUT", "PREROUTING", "CNI-HOSTPORT-DNAT", "KUBE-SVC", "kube-svc-aaaaaaaaaaaaaaaa", ""}
-	for _, c := range notOwned {
-		if IsOwned(c) {
-			t.Errorf("IsOwned(%q) = true; a full sync would delete it", c)
-		}
 	}
 }
 

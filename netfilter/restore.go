@@ -35,16 +35,6 @@ func (t Tool) Chains(ctx context.Context, table string) ([]string, error) {
 	return chains, sc.Err()
 }
 
-// IsOwned says whether a chain is a per-service chain of kpipe (or kube-proxy).
-func IsOwned(chain string) bool {
-	for _, p := range OwnedPrefixes {
-		if strings.HasPrefix(chain, p) {
-			return true
-		}
-	}
-	return false
-}
-
 // RuleCount counts the rules of one chain (iptables -S CHAIN, which reads only that
 // chain); -1 when the chain does not exist or cannot be read.
 func (t Tool) RuleCount(ctx context.Context, table, chain string) int {

@@ -174,7 +174,7 @@ func (s *Stage) changes(ctx context.Context, tp bus.TablePayload, full, refresh 
 		}
 		tw.write = tp.Chains
 		for _, name := range kernel {
-			if nf.IsOwned(name) && !wanted[name] {
+			if nf.KindOf(name).Disposable() && !wanted[name] {
 				tw.stale = append(tw.stale, name)
 			}
 		}
@@ -184,7 +184,7 @@ func (s *Stage) changes(ctx context.Context, tp bus.TablePayload, full, refresh 
 	for _, c := range tp.Chains {
 		if s.ledger.differs(tp.Table, c) {
 			tw.write = append(tw.write, c)
-		} else if refresh && checked(c.Name) {
+		} else if refresh && nf.KindOf(c.Name).Checked() {
 			unchecked = append(unchecked, c)
 		}
 	}
@@ -200,13 +200,6 @@ func (s *Stage) changes(ctx context.Context, tp bus.TablePayload, full, refresh 
 		tw.write = mergeInOrder(tp.Chains, tw.write, drifted)
 	}
 	return tw, nil
-}
-
-// checked says whether a periodic sync compares the chain with the kernel: the
-// top-level chains and the buckets, which kube-proxy rewrites on every sync.
-// Per-service chains are only rewritten by the hourly full sync, as in kube-proxy.
-func checked(chain string) bool {
-	return nf.WriteRank(chain) < 0 || nf.IsBucket(chain)
 }
 
 // mergeInOrder returns the chains of all that are in a or b, in all's order.
@@ -254,7 +247,7 @@ func (s *Stage) learn(ctx context.Context, w writes) {
 	for _, tw := range w.tables {
 		var names []string
 		for _, c := range tw.write {
-			if checked(c.Name) {
+			if nf.KindOf(c.Name).Checked() {
 				names = append(names, c.Name)
 			}
 		}

@@ -198,7 +198,7 @@ func TestSplitChainsOrder(t *testing.T) {
 			t.Fatalf("%s: split %d chains into %d + %d", tp.Table, len(tp.Chains), len(services), len(top))
 		}
 		for _, c := range top {
-			if nf.IsOwned(c.Name) {
+			if nf.KindOf(c.Name).PerService() {
 				t.Errorf("%s: per-service chain %s among the top-level chains", tp.Table, c.Name)
 			}
 		}

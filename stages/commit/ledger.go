@@ -66,7 +66,7 @@ func (l *Ledger) differs(table string, c bus.Chain) bool {
 // written) and the plan does not have.
 func (l *Ledger) unwanted(table string, wanted map[string]bool) []string {
 	var out []string
-	drop := func(k chainKey) bool { return k.table == table && !wanted[k.chain] && nf.IsOwned(k.chain) }
+	drop := func(k chainKey) bool { return k.table == table && !wanted[k.chain] && nf.KindOf(k.chain).Disposable() }
 	for k := range l.chains {
 		if drop(k) {
 			out = append(out, k.chain)

@@ -172,17 +172,16 @@ func hashOf(s string) uint64 {
 	return h.Sum64()
 }
 
-// splitChains separates per-service chains, ordered so that each only jumps to
-// chains before it (see nf.WriteRank), from the top-level chains.
+// splitChains separates, keeping render's order (each chain after the chains it
+// jumps to: see nf.Rank), the chains below the top level from the top-level ones.
 func splitChains(chains []bus.Chain) (services, top []bus.Chain) {
 	for _, c := range chains {
-		if nf.WriteRank(c.Name) < 0 {
+		if nf.KindOf(c.Name) == nf.KindTop {
 			top = append(top, c)
 		} else {
 			services = append(services, c)
 		}
 	}
-	slices.SortStableFunc(services, func(a, b bus.Chain) int { return nf.WriteRank(a.Name) - nf.WriteRank(b.Name) })
 	return services, top
 }
 
@@ -190,7 +189,7 @@ func splitChains(chains []bus.Chain) (services, top []bus.Chain) {
 // chains it jumps to.
 func sortForDelete(chains []string) {
 	slices.SortFunc(chains, func(a, b string) int {
-		if d := nf.WriteRank(b) - nf.WriteRank(a); d != 0 {
+		if d := nf.Rank(b) - nf.Rank(a); d != 0 {
 			return d
 		}
 		return strings.Compare(a, b)

@@ -10,6 +10,7 @@ import (
 	"strings"
 
 	"github.com/kpipe/kpipe/bus"
+	nf "github.com/kpipe/kpipe/netfilter"
 )
 
 // Local-traffic detection modes (--detect-local-mode).
@@ -174,7 +175,8 @@ func sortedServiceKeys(m map[bus.ServiceKey]*bus.Service) []bus.ServiceKey {
 	return keys
 }
 
-// plan lists every chain with its hash, in the order render wrote them.
+// plan lists every chain with its hash, in dependency order (nf.Rank): a chain
+// after the chains it jumps to, so commit can write them in that order.
 func (r *renderer) plan() *bus.Plan {
 	p := &bus.Plan{
 		Family: r.cfg.Family, Generation: r.snap.Generation, QueuedAt: r.snap.QueuedAt,
@@ -189,6 +191,7 @@ func (r *renderer) plan() *bus.Plan {
 			tp.RuleCount += c.count
 			tp.Chains = append(tp.Chains, bus.Chain{Name: name, Rules: c.b.String(), Hash: c.sum()})
 		}
+		slices.SortStableFunc(tp.Chains, func(a, b bus.Chain) int { return nf.Rank(a.Name) - nf.Rank(b.Name) })
 		p.Tables = append(p.Tables, tp)
 	}
 	return p

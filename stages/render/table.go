@@ -70,7 +70,7 @@ func (c *chainText) sum() uint64 {
 func (t *table) merge(o *table) {
 	for _, name := range o.order {
 		oc := o.chains[name]
-		if nf.IsOwned(name) && !strings.HasPrefix(name, nf.PrefixBucket) {
+		if nf.KindOf(name).PerService() {
 			if _, dup := t.chains[name]; !dup {
 				t.order = append(t.order, name)
 			}
