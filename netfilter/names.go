@@ -59,7 +59,6 @@ const (
 	bucketHashLen = 28 - len(PrefixBucket+"120-")
 )
 
-
 // ServiceChain names the chain of one service port: prefix plus a hash of the
 // port's name and protocol, exactly as kube-proxy names its KUBE-SVC- chains, so a
 // node switched between the two keeps the same chains.
