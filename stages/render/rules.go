@@ -172,151 +172,190 @@ func (r *renderer) writeServicePort(svc *bus.Service, port bus.Port) {
 	r.writeRules(sp)
 }
 
-func (r *renderer) writeRules(sp *servicePort) {
+// decision is what the endpoints and traffic policies of one service port make of
+// its rules: which chains it uses, and what traffic without endpoints meets.
+type decision struct {
+	hasEndpoints, hasInternal, hasExternal bool
+	usesClusterChain, usesLocalChain       bool
+	usesExtChain, usesFW                   bool
+	internalChain, externalPolicyChain     string // KUBE-SVC- or KUBE-SVL-
+	lbChain                                string // where LB IP traffic goes: KUBE-FW- or KUBE-EXT-
+	intTarget, intComment                  string // REJECT or DROP, for traffic from inside
+	extTarget, extComment                  string // the same, from outside
+	dport                                  []string
+}
+
+func (r *renderer) decide(sp *servicePort) decision {
 	eps := sp.endpoints
-	hasEndpoints := eps.hasAny
-	usesClusterChain := len(eps.cluster) > 0 && (!sp.intLocal || sp.externally)
-	usesLocalChain := len(eps.local) > 0 && (sp.intLocal || sp.extLocal)
-	internalChain, externalPolicyChain := sp.svcChain, sp.svcChain
-	hasInternal, hasExternal := hasEndpoints, hasEndpoints
+	d := decision{
+		hasEndpoints:     eps.hasAny,
+		hasInternal:      eps.hasAny,
+		hasExternal:      eps.hasAny,
+		usesClusterChain: len(eps.cluster) > 0 && (!sp.intLocal || sp.externally),
+		usesLocalChain:   len(eps.local) > 0 && (sp.intLocal || sp.extLocal),
+		internalChain:    sp.svcChain, externalPolicyChain: sp.svcChain, lbChain: sp.extChain,
+		intTarget: "REJECT", intComment: sp.label + " has no endpoints",
+		dport: []string{"--dport", strconv.Itoa(int(sp.port.Port))},
+	}
 	if sp.intLocal {
-		internalChain, hasInternal = sp.svlChain, len(eps.local) > 0
+		d.internalChain, d.hasInternal = sp.svlChain, len(eps.local) > 0
 	}
 	if sp.extLocal {
-		externalPolicyChain, hasExternal = sp.svlChain, len(eps.local) > 0
+		d.externalPolicyChain, d.hasExternal = sp.svlChain, len(eps.local) > 0
 	}
-	usesExtChain := hasEndpoints && sp.externally
-	usesFW := hasEndpoints && len(sp.sources) > 0 && len(sp.lbIPs) > 0
-	lbChain := sp.extChain
-	if usesFW {
-		lbChain = sp.fwChain
+	d.usesExtChain = d.hasEndpoints && sp.externally
+	d.usesFW = d.hasEndpoints && len(sp.sources) > 0 && len(sp.lbIPs) > 0
+	if d.usesFW {
+		d.lbChain = sp.fwChain
 	}
-
-	intTarget, intComment := "REJECT", sp.label+" has no endpoints"
-	extTarget, extComment := intTarget, intComment
-	if hasEndpoints {
-		if !hasInternal {
-			intTarget, intComment = "DROP", sp.label+" has no local endpoints"
+	d.extTarget, d.extComment = d.intTarget, d.intComment
+	if d.hasEndpoints {
+		if !d.hasInternal {
+			d.intTarget, d.intComment = "DROP", sp.label+" has no local endpoints"
 			r.noLocal["internal"]++
 		}
-		if !hasExternal {
-			extTarget, extComment = "DROP", sp.label+" has no local endpoints"
+		if !d.hasExternal {
+			d.extTarget, d.extComment = "DROP", sp.label+" has no local endpoints"
 			r.noLocal["external"]++
 		}
 	}
-	dport := []string{"--dport", strconv.Itoa(int(sp.port.Port))}
+	return d
+}
 
-	// Cluster IP.
-	cip := join(sp.proto, []string{"-d", hostCIDR(sp.clusterIP)}, dport)
-	if hasInternal {
-		args := join(comment(sp.label+" cluster IP"), cip)
-		if r.cfg.MasqueradeAll {
-			r.nat.rule(internalChain, args, []string{"-j", nf.ChainMarkMasq})
-		} else if r.isNotLocal != nil {
-			// Off-cluster traffic to a ClusterIP (a static route to the service range)
-			// may leave the node again, so it is masqueraded.
-			r.nat.rule(internalChain, args, r.isNotLocal, []string{"-j", nf.ChainMarkMasq})
-		}
-		r.nat.rule(r.bucket(sp.clusterIP), args, []string{"-j", internalChain})
-	} else {
-		r.filter.rule(nf.ChainServices, comment(intComment), cip, []string{"-j", intTarget})
+func (r *renderer) writeRules(sp *servicePort) {
+	d := r.decide(sp)
+	r.writeClusterIP(sp, d)
+	// The policy chains: after the cluster IP's masquerade rule, so it runs before any DNAT.
+	if d.usesClusterChain {
+		r.writeEndpoints(sp, sp.svcChain, sp.endpoints.cluster)
 	}
+	if d.usesLocalChain {
+		r.writeEndpoints(sp, sp.svlChain, sp.endpoints.local)
+	}
+	r.writeExternalIPs(sp, d)
+	r.writeLoadBalancerIPs(sp, d)
+	r.writeNodePort(sp, d)
+	r.writeHealthCheck(sp)
+	if d.usesExtChain {
+		r.writeExternalChain(sp, d)
+	}
+	if d.usesFW {
+		r.writeFirewallChain(sp)
+	}
+	if sp.port.Protocol == bus.UDP {
+		r.recordUDP(sp, d.hasInternal, d.hasExternal)
+	}
+}
 
-	// The policy chains: after the masquerade rule above, so it runs before any DNAT.
-	if usesClusterChain {
-		r.writeEndpoints(sp, sp.svcChain, eps.cluster)
+func (r *renderer) writeClusterIP(sp *servicePort, d decision) {
+	cip := join(sp.proto, []string{"-d", hostCIDR(sp.clusterIP)}, d.dport)
+	if !d.hasInternal {
+		r.filter.rule(nf.ChainServices, comment(d.intComment), cip, []string{"-j", d.intTarget})
+		return
 	}
-	if usesLocalChain {
-		r.writeEndpoints(sp, sp.svlChain, eps.local)
+	args := join(comment(sp.label+" cluster IP"), cip)
+	if r.cfg.MasqueradeAll {
+		r.nat.rule(d.internalChain, args, []string{"-j", nf.ChainMarkMasq})
+	} else if r.isNotLocal != nil {
+		// Off-cluster traffic to a ClusterIP (a static route to the service range)
+		// may leave the node again, so it is masqueraded.
+		r.nat.rule(d.internalChain, args, r.isNotLocal, []string{"-j", nf.ChainMarkMasq})
 	}
+	r.nat.rule(r.bucket(sp.clusterIP), args, []string{"-j", d.internalChain})
+}
 
-	// External IPs.
+func (r *renderer) writeExternalIPs(sp *servicePort, d decision) {
 	for _, ip := range sp.externals {
-		dst := join(sp.proto, []string{"-d", hostCIDR(ip)}, dport)
-		if hasEndpoints {
+		dst := join(sp.proto, []string{"-d", hostCIDR(ip)}, d.dport)
+		if d.hasEndpoints {
 			r.nat.rule(r.bucket(ip), comment(sp.label+" external IP"), dst, []string{"-j", sp.extChain})
 		}
-		if !hasExternal {
-			r.filter.rule(nf.ChainExternalServices, comment(extComment), dst, []string{"-j", extTarget})
+		if !d.hasExternal {
+			r.filter.rule(nf.ChainExternalServices, comment(d.extComment), dst, []string{"-j", d.extTarget})
 		}
 	}
+}
 
-	// Load-balancer IPs.
+func (r *renderer) writeLoadBalancerIPs(sp *servicePort, d decision) {
 	for _, ip := range sp.lbIPs {
-		dst := join(sp.proto, []string{"-d", hostCIDR(ip)}, dport)
-		if hasEndpoints {
-			r.nat.rule(r.bucket(ip), comment(sp.label+" loadbalancer IP"), dst, []string{"-j", lbChain})
+		dst := join(sp.proto, []string{"-d", hostCIDR(ip)}, d.dport)
+		if d.hasEndpoints {
+			r.nat.rule(r.bucket(ip), comment(sp.label+" loadbalancer IP"), dst, []string{"-j", d.lbChain})
 		}
-		if usesFW {
+		if d.usesFW {
 			r.filter.rule(nf.ChainProxyFirewall, comment(sp.label+" traffic not accepted by "+sp.fwChain), dst, []string{"-j", "DROP"})
 		}
-		if !hasExternal {
-			r.filter.rule(nf.ChainExternalServices, comment(extComment), dst, []string{"-j", extTarget})
+		if !d.hasExternal {
+			r.filter.rule(nf.ChainExternalServices, comment(d.extComment), dst, []string{"-j", d.extTarget})
 		}
 	}
+}
 
-	// NodePort.
-	if np := sp.port.NodePort; np != 0 {
-		npPort := []string{"--dport", strconv.Itoa(int(np))}
-		if hasEndpoints {
-			r.nat.rule(nf.ChainNodePorts, comment(sp.label), sp.proto, npPort, []string{"-j", sp.extChain})
-		}
-		if !hasExternal {
-			r.filter.rule(nf.ChainExternalServices, comment(extComment), []string{"-m", "addrtype", "--dst-type", "LOCAL"}, sp.proto, npPort, []string{"-j", extTarget})
-		}
+func (r *renderer) writeNodePort(sp *servicePort, d decision) {
+	np := sp.port.NodePort
+	if np == 0 {
+		return
 	}
+	npPort := []string{"--dport", strconv.Itoa(int(np))}
+	if d.hasEndpoints {
+		r.nat.rule(nf.ChainNodePorts, comment(sp.label), sp.proto, npPort, []string{"-j", sp.extChain})
+	}
+	if !d.hasExternal {
+		r.filter.rule(nf.ChainExternalServices, comment(d.extComment), []string{"-m", "addrtype", "--dst-type", "LOCAL"}, sp.proto, npPort, []string{"-j", d.extTarget})
+	}
+}
 
-	// Health-check node port: let it in, and tell health how many local endpoints there are.
-	if hc := sp.svc.HealthCheckNodePort; hc != 0 && sp.extLocal {
-		if _, done := r.checks[sp.svc.ServiceKey]; !done {
-			r.filter.rule(nf.ChainNodePorts, comment(sp.label+" health check node port"), []string{"-m", "tcp", "-p", "tcp", "--dport", strconv.Itoa(int(hc)), "-j", "ACCEPT"})
-		}
-		r.checks[sp.svc.ServiceKey] = bus.HealthCheck{NodePort: hc, LocalEndpoints: max(r.checks[sp.svc.ServiceKey].LocalEndpoints, countReadyLocal(eps.local))}
+// writeHealthCheck lets the health-check node port in, and tells health how many
+// local endpoints there are.
+func (r *renderer) writeHealthCheck(sp *servicePort) {
+	hc := sp.svc.HealthCheckNodePort
+	if hc == 0 || !sp.extLocal {
+		return
 	}
+	if _, done := r.checks[sp.svc.ServiceKey]; !done {
+		r.filter.rule(nf.ChainNodePorts, comment(sp.label+" health check node port"), []string{"-m", "tcp", "-p", "tcp", "--dport", strconv.Itoa(int(hc)), "-j", "ACCEPT"})
+	}
+	r.checks[sp.svc.ServiceKey] = bus.HealthCheck{NodePort: hc, LocalEndpoints: max(r.checks[sp.svc.ServiceKey].LocalEndpoints, countReadyLocal(sp.endpoints.local))}
+}
 
-	// The external-traffic chain: masquerade, and with a Local policy the
-	// short-circuit for traffic that starts on this node.
-	if usesExtChain {
-		r.nat.declare(sp.extChain)
-		if !sp.extLocal {
-			r.nat.rule(sp.extChain, comment("masquerade traffic for "+sp.label+" external destinations"), []string{"-j", nf.ChainMarkMasq})
-		} else {
-			if r.isLocal != nil && usesClusterChain {
-				r.nat.rule(sp.extChain, comment("pod traffic for "+sp.label+" external destinations"), r.isLocal, []string{"-j", sp.svcChain})
-			}
-			r.nat.rule(sp.extChain, comment("masquerade LOCAL traffic for "+sp.label+" external destinations"), []string{"-m", "addrtype", "--src-type", "LOCAL", "-j", nf.ChainMarkMasq})
-			if usesClusterChain {
-				r.nat.rule(sp.extChain, comment("route LOCAL traffic for "+sp.label+" external destinations"), []string{"-m", "addrtype", "--src-type", "LOCAL", "-j", sp.svcChain})
-			}
+// writeExternalChain writes the external-traffic chain: masquerade, and with a
+// Local policy the short-circuit for traffic that starts on this node.
+func (r *renderer) writeExternalChain(sp *servicePort, d decision) {
+	r.nat.declare(sp.extChain)
+	if !sp.extLocal {
+		r.nat.rule(sp.extChain, comment("masquerade traffic for "+sp.label+" external destinations"), []string{"-j", nf.ChainMarkMasq})
+	} else {
+		if r.isLocal != nil && d.usesClusterChain {
+			r.nat.rule(sp.extChain, comment("pod traffic for "+sp.label+" external destinations"), r.isLocal, []string{"-j", sp.svcChain})
 		}
-		if hasExternal {
-			r.nat.add(sp.extChain, "-j", externalPolicyChain)
+		r.nat.rule(sp.extChain, comment("masquerade LOCAL traffic for "+sp.label+" external destinations"), []string{"-m", "addrtype", "--src-type", "LOCAL", "-j", nf.ChainMarkMasq})
+		if d.usesClusterChain {
+			r.nat.rule(sp.extChain, comment("route LOCAL traffic for "+sp.label+" external destinations"), []string{"-m", "addrtype", "--src-type", "LOCAL", "-j", sp.svcChain})
 		}
 	}
+	if d.hasExternal {
+		r.nat.add(sp.extChain, "-j", d.externalPolicyChain)
+	}
+}
 
-	// The firewall chain for loadBalancerSourceRanges: allowed sources go on, the
-	// rest fall through undNATted and KUBE-PROXY-FIREWALL drops them.
-	if usesFW {
-		r.nat.declare(sp.fwChain)
-		args := comment(sp.label + " loadbalancer IP")
-		allowNode := false
-		for _, src := range sp.sources {
-			r.nat.rule(sp.fwChain, args, []string{"-s", src.String(), "-j", sp.extChain})
-			allowNode = allowNode || r.primaryIPIn(src)
-		}
-		if allowNode {
-			// A request from the node to a VIP that is a local address loops back
-			// with the VIP as its source.
-			for _, ip := range sp.lbIPs {
-				r.nat.rule(sp.fwChain, args, []string{"-s", hostCIDR(ip), "-j", sp.extChain})
-			}
-		}
-		r.nat.rule(sp.fwChain, args, comment("other traffic to "+sp.label+" will be dropped by KUBE-PROXY-FIREWALL"))
+// writeFirewallChain writes the chain for loadBalancerSourceRanges: allowed sources
+// go on, the rest fall through undNATted and KUBE-PROXY-FIREWALL drops them.
+func (r *renderer) writeFirewallChain(sp *servicePort) {
+	r.nat.declare(sp.fwChain)
+	args := comment(sp.label + " loadbalancer IP")
+	allowNode := false
+	for _, src := range sp.sources {
+		r.nat.rule(sp.fwChain, args, []string{"-s", src.String(), "-j", sp.extChain})
+		allowNode = allowNode || r.primaryIPIn(src)
 	}
-
-	if sp.port.Protocol == bus.UDP {
-		r.recordUDP(sp, hasInternal, hasExternal)
+	if allowNode {
+		// A request from the node to a VIP that is a local address loops back
+		// with the VIP as its source.
+		for _, ip := range sp.lbIPs {
+			r.nat.rule(sp.fwChain, args, []string{"-s", hostCIDR(ip), "-j", sp.extChain})
+		}
 	}
+	r.nat.rule(sp.fwChain, args, comment("other traffic to "+sp.label+" will be dropped by KUBE-PROXY-FIREWALL"))
 }
 
 // writeEndpoints writes the load-balancing rules of a policy chain. Endpoints are
