@@ -57,15 +57,17 @@ func isKpipeRoot(dir string) bool {
 	return false
 }
 
-// goBuild runs `go build -o out pkgs...` in dir, with GOFLAGS minus any
-// -modfile (which only ever applies to the module it was meant for) when
-// stripModfile is set.
-func goBuild(dir string, stripModfile bool, out string, pkgs ...string) error {
+// goBuild runs `go build -o out pkgs...` in dir. With ownModule set, dir is
+// a module outside the repository's go.work (e2e/controlplane): the build
+// runs with GOWORK=off, and GOFLAGS minus any -modfile (which only ever
+// applies to the module it was meant for).
+func goBuild(dir string, ownModule bool, out string, pkgs ...string) error {
 	args := append([]string{"build", "-o", out}, pkgs...)
 	cmd := exec.Command("go", args...)
 	cmd.Dir = dir
 	cmd.Env = os.Environ()
-	if stripModfile {
+	if ownModule {
+		cmd.Env = append(cmd.Env, "GOWORK=off")
 		var kept []string
 		for _, f := range strings.Fields(os.Getenv("GOFLAGS")) {
 			if !strings.HasPrefix(f, "-modfile") {
