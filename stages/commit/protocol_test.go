@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"log/slog"
 	"maps"
 	"net/netip"
 	"slices"
@@ -11,6 +12,8 @@ import (
 	"sync"
 	"testing"
 	"time"
+
+	dto "github.com/prometheus/client_model/go"
 
 	"github.com/kpipe/kpipe/bus"
 	nf "github.com/kpipe/kpipe/netfilter"
@@ -523,4 +526,63 @@ func TestRunReportsSyncStatus(t *testing.T) {
 	if r.Generation != 5 || !r.LastSync.Equal(last) || !r.LastFullSync.Equal(full) || r.Errors != 1 || r.LastError == "" {
 		t.Fatalf("after a failed commit: %+v; want generation 5 and the same times, one error", r)
 	}
+}
+
+// TestFailedCommitIsLeftToCoalesceToLog: a failed commit is counted (the restore
+// failures metric, the stage's errors) and answered, but commit writes no log
+// record about it: coalesce logs it once, with the backoff it retries after.
+func TestFailedCommitIsLeftToCoalesceToLog(t *testing.T) {
+	k := newFakeKernel()
+	board := bus.NewBoard()
+	s := testStageOn(k, board)
+	var records countingHandler
+	s.log = slog.New(&records)
+	stop := runStage(t, s)
+	defer stop()
+	k.beforeRestore = func(int, string) error { return errors.New("injected: restore failed") }
+	for gen := uint64(1); gen <= 3; gen++ {
+		s.p.In.Put(planOf(render.SyntheticState(2, 1), gen, true))
+		if r := take(t, s.p.Results, "result"); r.OK {
+			t.Fatalf("generation %d: result OK; want a failure", gen)
+		}
+	}
+	var m dto.Metric
+	if err := s.metrics.RestoreFailures.Write(&m); err != nil || m.GetCounter().GetValue() != 3 {
+		got := m.GetCounter().GetValue()
+		t.Errorf("restore failures = %v; want 3", got)
+	}
+	if r := board.Read()[bus.Commit.Of(bus.IPv4)]; r.Errors != 3 {
+		t.Errorf("commit's errors on the board = %d; want 3", r.Errors)
+	}
+	if n := records.atLeast(slog.LevelInfo); n != 0 {
+		t.Errorf("commit logged %d records at info or above about failures coalesce logs", n)
+	}
+}
+
+// countingHandler counts log records by level.
+type countingHandler struct {
+	mu     sync.Mutex
+	levels []slog.Level
+}
+
+func (h *countingHandler) Enabled(context.Context, slog.Level) bool { return true }
+func (h *countingHandler) Handle(_ context.Context, r slog.Record) error {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	h.levels = append(h.levels, r.Level)
+	return nil
+}
+func (h *countingHandler) WithAttrs([]slog.Attr) slog.Handler { return h }
+func (h *countingHandler) WithGroup(string) slog.Handler      { return h }
+
+func (h *countingHandler) atLeast(l slog.Level) int {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	n := 0
+	for _, v := range h.levels {
+		if v >= l {
+			n++
+		}
+	}
+	return n
 }
