@@ -33,6 +33,14 @@ func (f Family) String() string {
 	return "IPv4"
 }
 
+// Lower is the family's name in stage names and labels: "ipv4", "ipv6".
+func (f Family) Lower() string {
+	if f == IPv6 {
+		return "ipv6"
+	}
+	return "ipv4"
+}
+
 // FamilyOf says which family an address belongs to.
 func FamilyOf(a netip.Addr) Family {
 	if a.Is4() || a.Is4In6() {

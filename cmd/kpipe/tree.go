@@ -2,16 +2,107 @@ package main
 
 import (
 	"context"
+	"log/slog"
+	"net/http"
+	"time"
 
+	"github.com/prometheus/client_golang/prometheus"
+	"k8s.io/client-go/kubernetes"
+
+	"github.com/kpipe/kpipe/bus"
+	"github.com/kpipe/kpipe/metrics"
+	"github.com/kpipe/kpipe/stages/canary"
+	"github.com/kpipe/kpipe/stages/coalesce"
+	"github.com/kpipe/kpipe/stages/commit"
+	"github.com/kpipe/kpipe/stages/conntrack"
+	"github.com/kpipe/kpipe/stages/health"
+	"github.com/kpipe/kpipe/stages/render"
+	"github.com/kpipe/kpipe/stages/watch"
 	"github.com/kpipe/kpipe/supervise"
 )
+
+// deps are what the tree needs from outside the process: the apiserver, the
+// kernel of each IP family kpipe programs, what start-up learned about the host,
+// and where logs and metrics go. serve makes the real ones (realDeps); tests fake them.
+type deps struct {
+	client   kubernetes.Interface
+	kernels  map[bus.Family]commit.Kernel   // one per family kpipe programs
+	canaries map[bus.Family]canary.Canaries // nil: iptables
+	// conntrack opens the conntrack connection; nil: netlink.
+	conntrack func() (conntrack.Clearer, error)
+	host      hostFacts
+	log       *slog.Logger
+	registry  *prometheus.Registry
+}
+
+// families are the families kpipe programs, IPv4 first.
+func (d deps) families() []bus.Family {
+	var out []bus.Family
+	for _, f := range []bus.Family{bus.IPv4, bus.IPv6} {
+		if d.kernels[f] != nil {
+			out = append(out, f)
+		}
+	}
+	return out
+}
+
+// buildTree makes the mailboxes and the stages and puts them under their
+// supervisors (see arrange). Control edges are typed: resend (render, commit →
+// coalesce), resync (canary → coalesce), replay (coalesce → watch).
+func buildTree(o *Options, d deps) *supervise.Supervisor {
+	board := bus.NewBoard()
+	envs := bus.Envs{Log: d.log, Metrics: metrics.New(d.registry), Board: board}
+	changes, replay := make(chan bus.Change, 1024), bus.NewReplayFlag()
+	checks := bus.NewMergingMailbox(bus.MergeHealthCheckUpdates)
+	resync := map[bus.Family]*bus.ResyncFlag{}
+	var r treeRunners
+	var coalesceIO []coalesce.Family
+	for _, f := range d.families() {
+		snapshots, plans := bus.NewMailbox[*bus.Snapshot](), bus.NewMailbox[*bus.Plan]()
+		results, flows := bus.NewMailbox[bus.Result](), bus.NewMergingMailbox(bus.MergeStaleFlows)
+		resend := bus.NewResendFlag()
+		resync[f] = bus.NewResyncFlag()
+		coalesceIO = append(coalesceIO, coalesce.Family{Family: f, Out: snapshots, Results: results, Resync: resync[f], Resend: resend})
+		rs := render.NewStage(render.Params{Config: o.renderConfig(f, d.host), In: snapshots, Out: plans, Resend: resend,
+			Env: envs.For(bus.Render.Of(f))})
+		cs := commit.NewStage(commit.Params{Family: f, LocalhostNodePorts: o.localhostNodePorts(), In: plans, Results: results,
+			Resend: resend, Flows: flows, HealthChecks: checks, Ledger: commit.NewLedger(), Kernel: d.kernels[f],
+			Env: envs.For(bus.Commit.Of(f))})
+		ct := conntrack.NewStage(conntrack.Params{Family: f, In: flows, Dial: d.conntrack, Env: envs.For(bus.Conntrack.Of(f))})
+		r.families = append(r.families, familyRunners{family: f, render: rs.Run, commit: cs.Run, conntrack: ct.Run})
+	}
+	r.watch = watch.NewStage(watch.Params{Client: d.client, NodeName: o.HostnameOverride, Out: changes, Replay: replay,
+		WatchAddrs: len(o.nodePortCIDRs) > 0, Env: envs.For(bus.Watch)}).Run
+	r.coalesce = coalesce.NewStage(coalesce.Params{Config: coalesce.Config{MinSyncPeriod: o.MinSyncPeriod, SyncPeriod: o.SyncPeriod, Burst: 2},
+		In: changes, Replay: replay, Families: coalesceIO, Env: envs.For(bus.Coalesce)}).Run
+	r.canary = canary.NewStage(canary.Params{Interval: o.CanaryInterval, Resync: resync, Tools: d.canaries, Env: envs.For(bus.Canary)}).Run
+
+	var root *supervise.Supervisor
+	var stagesHandler http.Handler
+	if o.EnableDebugHandlers {
+		stagesHandler = http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) { supervise.Handler(root).ServeHTTP(w, r) })
+	}
+	r.health = health.New(health.Params{Config: health.Config{
+		HealthzAddr: o.HealthzBindAddress, MetricsAddr: o.MetricsBindAddress, EnableDebug: o.EnableDebugHandlers,
+		SyncPeriod: o.SyncPeriod, NodeName: o.HostnameOverride, Families: d.families(), Configz: o, SideStages: r.sideStages(),
+	}, Board: board, Gatherer: d.registry, Checks: checks, Stages: stagesHandler, Env: envs.For(bus.Health)}).Run
+
+	onRestart := func(stage string, err error) {
+		envs.Metrics.StageRestarts.WithLabelValues(stage).Inc()
+		board.Reporter(bus.StageName(stage)).Failed(err, time.Now())
+	}
+	root = arrange(r, func(s supervise.Strategy) supervise.Options {
+		return supervise.Options{Strategy: s, Logger: d.log, OnRestart: onRestart}
+	})
+	return root
+}
 
 // runner is a stage's Run method.
 type runner func(ctx context.Context) error
 
 // familyRunners are the stages of one IP family.
 type familyRunners struct {
-	name                      string // "ipv4", "ipv6"
+	family                    bus.Family
 	render, commit, conntrack runner
 }
 
@@ -22,7 +113,7 @@ type treeRunners struct {
 	canary, health  runner
 }
 
-// buildTree puts the stages under their supervisors; opts gives a supervisor's
+// arrange puts the stages under their supervisors; opts gives a supervisor's
 // options for its strategy.
 //
 //	kpipe (one_for_one)
@@ -34,29 +125,32 @@ type treeRunners struct {
 // The side stages only help the rules (stale UDP flows, flushed tables): their
 // failures restart them alone, show on /healthz and in kpipe_stage_restarts_total,
 // and never restart the rule path or stop the process.
-func buildTree(r treeRunners, opts func(supervise.Strategy) supervise.Options) *supervise.Supervisor {
+func arrange(r treeRunners, opts func(supervise.Strategy) supervise.Options) *supervise.Supervisor {
 	var familyTrees, side []supervise.Child
 	for _, f := range r.families {
-		familyTrees = append(familyTrees, supervise.Tree(f.name, opts(supervise.RestForOne),
-			supervise.Leaf("render-"+f.name, f.render), supervise.Leaf("commit-"+f.name, f.commit)))
-		side = append(side, supervise.Leaf("conntrack-"+f.name, f.conntrack))
+		familyTrees = append(familyTrees, supervise.Tree(f.family.Lower(), opts(supervise.RestForOne),
+			leaf(bus.Render.Of(f.family), f.render), leaf(bus.Commit.Of(f.family), f.commit)))
+		side = append(side, leaf(bus.Conntrack.Of(f.family), f.conntrack))
 	}
-	side = append(side, supervise.Leaf("canary", r.canary))
+	side = append(side, leaf(bus.Canary, r.canary))
 	sideOpts := opts(supervise.OneForOne)
 	sideOpts.NeverEscalate = true
 	return supervise.Tree("kpipe", opts(supervise.OneForOne),
 		supervise.Tree("pipeline", opts(supervise.RestForOne),
-			supervise.Leaf("watch", r.watch), supervise.Leaf("coalesce", r.coalesce),
+			leaf(bus.Watch, r.watch), leaf(bus.Coalesce, r.coalesce),
 			supervise.Tree("families", opts(supervise.OneForOne), familyTrees...)),
 		supervise.Tree("side", sideOpts, side...),
-		supervise.Leaf("health", r.health))
+		leaf(bus.Health, r.health))
 }
 
+// leaf is a supervised stage, named as its Env and its board entry are.
+func leaf(name bus.StageName, run runner) supervise.Child { return supervise.Leaf(string(name), run) }
+
 // sideStages names the stages of the side supervisor.
-func (r treeRunners) sideStages() []string {
-	out := []string{"canary"}
+func (r treeRunners) sideStages() []bus.StageName {
+	out := []bus.StageName{bus.Canary}
 	for _, f := range r.families {
-		out = append(out, "conntrack-"+f.name)
+		out = append(out, bus.Conntrack.Of(f.family))
 	}
 	return out
 }

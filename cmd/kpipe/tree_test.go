@@ -8,6 +8,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kpipe/kpipe/bus"
 	"github.com/kpipe/kpipe/supervise"
 )
 
@@ -26,7 +27,7 @@ func TestSideStagesNeverTouchTheRulePath(t *testing.T) {
 	}
 	idle := func(ctx context.Context) error { <-ctx.Done(); return nil }
 	r := treeRunners{watch: idle, coalesce: idle, health: idle, canary: fail(&starts.canary),
-		families: []familyRunners{{name: "ipv4", render: wait(&starts.render), commit: wait(&starts.commit), conntrack: fail(&starts.conntrack)}}}
+		families: []familyRunners{{family: bus.IPv4, render: wait(&starts.render), commit: wait(&starts.commit), conntrack: fail(&starts.conntrack)}}}
 	opts := func(s supervise.Strategy) supervise.Options {
 		// A fast backoff: the restart budget (10 a minute) is spent within the test.
 		return supervise.Options{Strategy: s, Logger: slog.New(slog.DiscardHandler),
@@ -34,7 +35,7 @@ func TestSideStagesNeverTouchTheRulePath(t *testing.T) {
 	}
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)
-	go func() { done <- buildTree(r, opts).Run(ctx) }()
+	go func() { done <- arrange(r, opts).Run(ctx) }()
 	deadline := time.Now().Add(10 * time.Second)
 	for starts.conntrack.Load() < 50 || starts.canary.Load() < 50 {
 		select {

@@ -19,29 +19,42 @@ var tables = []string{nf.TableMangle, nf.TableNAT, nf.TableFilter}
 // answer) before the stage fails, so that the supervisor backs off and restarts it.
 const maxFailures = 3
 
-// canaries is what the stage needs from netfilter (nf.Tool).
-type canaries interface {
+// Canaries is what the stage needs from netfilter (nf.Tool).
+type Canaries interface {
 	EnsureCanaries(ctx context.Context, tables []string) error
 	// CanaryAlive is false, with no error, only when the chain or its rule is gone.
 	CanaryAlive(ctx context.Context, table string) (bool, error)
 }
 
+// Params wire the canary stage.
+type Params struct {
+	Interval time.Duration
+	// Resync holds the full-resync flag of each family the stage watches.
+	Resync map[bus.Family]*bus.ResyncFlag
+	// Tools check each family's canaries; nil: iptables (nf.Tool).
+	Tools map[bus.Family]Canaries
+	Env   bus.Env
+}
+
 // Stage watches the canary chains of every family.
 type Stage struct {
 	interval time.Duration
-	resync   map[bus.Family]*bus.Flag
+	resync   map[bus.Family]*bus.ResyncFlag
 	log      *slog.Logger
-	tools    map[bus.Family]canaries
+	tools    map[bus.Family]Canaries
 	failures map[bus.Family]int // checks failed in a row
 }
 
-// NewStage makes the canary stage; resync holds the full-resync flag of each family.
-func NewStage(interval time.Duration, resync map[bus.Family]*bus.Flag, log *slog.Logger) *Stage {
-	tools := map[bus.Family]canaries{}
-	for f := range resync {
-		tools[f] = nf.Tool{Family: f}
+// NewStage makes the canary stage.
+func NewStage(p Params) *Stage {
+	tools := p.Tools
+	if tools == nil {
+		tools = map[bus.Family]Canaries{}
+		for f := range p.Resync {
+			tools[f] = nf.Tool{Family: f}
+		}
 	}
-	return &Stage{interval: interval, resync: resync, log: log, tools: tools, failures: map[bus.Family]int{}}
+	return &Stage{interval: p.Interval, resync: p.Resync, log: p.Env.Log, tools: tools, failures: map[bus.Family]int{}}
 }
 
 // Run checks the canaries every interval until ctx ends.
@@ -78,7 +91,7 @@ func (s *Stage) Run(ctx context.Context) error {
 // canaries back. An iptables error is not a flush (a resync would rewrite every
 // rule for nothing): it is logged and counted, and only after maxFailures in a
 // row does check fail.
-func (s *Stage) check(ctx context.Context, f bus.Family, tool canaries) error {
+func (s *Stage) check(ctx context.Context, f bus.Family, tool Canaries) error {
 	for _, t := range tables {
 		alive, err := tool.CanaryAlive(ctx, t)
 		if err != nil {

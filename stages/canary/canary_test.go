@@ -3,7 +3,6 @@ package canary
 import (
 	"context"
 	"fmt"
-	"log/slog"
 	"os/exec"
 	"testing"
 	"time"
@@ -22,8 +21,8 @@ func TestFlushIsNoticed(t *testing.T) {
 		netnstest.Unavailable(t, "iptables not installed (go tool task setup)")
 	}
 	netnstest.New(t).Run(t, func() error {
-		resync := bus.NewFlag()
-		s := NewStage(time.Hour, map[bus.Family]*bus.Flag{bus.IPv4: resync}, slog.New(slog.DiscardHandler))
+		resync := bus.NewResyncFlag()
+		s := NewStage(Params{Interval: time.Hour, Resync: map[bus.Family]*bus.ResyncFlag{bus.IPv4: resync}, Env: bus.Envs{}.For(bus.Canary)})
 		ctx := context.Background()
 		tool := nf.Tool{Family: bus.IPv4}
 		if err := tool.EnsureCanaries(ctx, tables); err != nil {

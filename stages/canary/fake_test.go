@@ -3,7 +3,6 @@ package canary
 import (
 	"context"
 	"errors"
-	"log/slog"
 	"sync"
 	"testing"
 	"time"
@@ -43,10 +42,10 @@ func (f *fakeCanaries) set(alive bool, err error) {
 	f.mu.Unlock()
 }
 
-func fakeStage(fake *fakeCanaries) (*Stage, *bus.Flag) {
-	resync := bus.NewFlag()
-	s := NewStage(time.Hour, map[bus.Family]*bus.Flag{bus.IPv4: resync}, slog.New(slog.DiscardHandler))
-	s.tools = map[bus.Family]canaries{bus.IPv4: fake}
+func fakeStage(fake *fakeCanaries) (*Stage, *bus.ResyncFlag) {
+	resync := bus.NewResyncFlag()
+	s := NewStage(Params{Interval: time.Hour, Resync: map[bus.Family]*bus.ResyncFlag{bus.IPv4: resync}, Env: bus.Envs{}.For(bus.Canary)})
+	s.tools = map[bus.Family]Canaries{bus.IPv4: fake}
 	return s, resync
 }
 

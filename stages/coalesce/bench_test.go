@@ -3,13 +3,13 @@ package coalesce_test
 import (
 	"context"
 	"fmt"
-	"log/slog"
 	"testing"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/kpipe/kpipe/bus"
+	"github.com/kpipe/kpipe/metrics"
 	"github.com/kpipe/kpipe/stages/coalesce"
 )
 
@@ -19,9 +19,9 @@ import (
 func BenchmarkEventWhileManyPending(b *testing.B) {
 	in := make(chan bus.Change)
 	fam := coalesce.Family{Family: bus.IPv4, Out: bus.NewMailbox[*bus.Snapshot](), Results: bus.NewMailbox[bus.Result](),
-		Resync: bus.NewFlag(), Resend: bus.NewFlag()}
-	s := coalesce.NewStage(coalesce.Config{SyncPeriod: time.Hour}, in, bus.NewFlag(), []coalesce.Family{fam}, bus.NewBoard(),
-		bus.NewMetrics(prometheus.NewRegistry()), slog.New(slog.DiscardHandler))
+		Resync: bus.NewResyncFlag(), Resend: bus.NewResendFlag()}
+	s := coalesce.NewStage(coalesce.Params{Config: coalesce.Config{SyncPeriod: time.Hour}, In: in, Replay: bus.NewReplayFlag(),
+		Families: []coalesce.Family{fam}, Env: bus.Envs{Metrics: metrics.New(prometheus.NewRegistry())}.For(bus.Coalesce)})
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)
 	go func() { done <- s.Run(ctx) }()

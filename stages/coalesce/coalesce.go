@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/kpipe/kpipe/bus"
+	"github.com/kpipe/kpipe/metrics"
 )
 
 // Config sets the sync timing (kube-proxy's --iptables-min-sync-period,
@@ -29,18 +30,28 @@ type Family struct {
 	Family  bus.Family
 	Out     *bus.Mailbox[*bus.Snapshot]
 	Results *bus.Mailbox[bus.Result]
-	Resync  *bus.Flag // a full sync is wanted (the tables were flushed)
-	Resend  *bus.Flag // a restarted render or commit lost the snapshot in flight
+	Resync  *bus.ResyncFlag // a full sync is wanted (the tables were flushed)
+	Resend  *bus.ResendFlag // a restarted render or commit lost the snapshot in flight
+}
+
+// Params wire the coalesce stage.
+type Params struct {
+	Config   Config
+	In       <-chan bus.Change
+	Replay   *bus.ReplayFlag // raised on every start: watch sends the whole state
+	Families []Family
+	// Env reports each family's pending changes under Coalesce.Of(family).
+	Env bus.Env
 }
 
 // Stage is the coalesce stage.
 type Stage struct {
 	cfg      Config
 	in       <-chan bus.Change
-	replay   *bus.Flag
+	replay   *bus.ReplayFlag
 	families []Family
-	board    *bus.Board
-	metrics  *bus.Metrics
+	status   bus.Reporter
+	metrics  *metrics.Metrics
 	log      *slog.Logger
 	now      func() time.Time
 	started  time.Time // trigger times before this are from before kpipe watched
@@ -51,14 +62,16 @@ type Stage struct {
 }
 
 // NewStage makes the coalesce stage.
-func NewStage(cfg Config, in <-chan bus.Change, replay *bus.Flag, families []Family, board *bus.Board, metrics *bus.Metrics, log *slog.Logger) *Stage {
+func NewStage(p Params) *Stage {
+	cfg := p.Config
 	if cfg.Burst < 1 {
 		cfg.Burst = 1
 	}
 	if cfg.FullSyncPeriod == 0 {
 		cfg.FullSyncPeriod = time.Hour
 	}
-	return &Stage{cfg: cfg, in: in, replay: replay, families: families, board: board, metrics: metrics, log: log, now: time.Now}
+	return &Stage{cfg: cfg, in: p.In, replay: p.Replay, families: p.Families, status: p.Env.Status, metrics: p.Env.Metrics,
+		log: p.Env.Log, now: time.Now}
 }
 
 // pendingChange is a change not yet known to be committed.
@@ -75,7 +88,7 @@ type pendingChange struct {
 // familyState is what coalesce tracks for one family's pipeline.
 type familyState struct {
 	Family
-	name    string
+	status  bus.Reporter // this family's entry on the board
 	pending map[bus.ServiceKey]pendingChange
 	oldest  time.Time // the oldest pending change's time (zero: none)
 	// pendingServices and pendingEndpoints count pending entries with a service
@@ -120,7 +133,7 @@ func (s *Stage) Run(ctx context.Context) error {
 		// whether the kernel holds what it wrote (a restart of coalesce alone costs
 		// no rewrite; a new process's first commit is a full one anyway). The
 		// hourly full sync counts from now.
-		fams[i] = &familyState{Family: f, name: "coalesce-" + lowerFamily(f.Family), pending: map[bus.ServiceKey]pendingChange{}, lastFull: s.now(),
+		fams[i] = &familyState{Family: f, status: s.status.Of(f.Family), pending: map[bus.ServiceKey]pendingChange{}, lastFull: s.now(),
 			limiter: newLimiter(s.cfg.MinSyncPeriod, s.cfg.Burst, s.now())}
 	}
 	s.replay.Raise()
@@ -182,13 +195,6 @@ func (s *Stage) Run(ctx context.Context) error {
 			}
 		}
 	}
-}
-
-func lowerFamily(f bus.Family) string {
-	if f == bus.IPv6 {
-		return "ipv6"
-	}
-	return "ipv4"
 }
 
 func resetTimer(t *time.Timer, d time.Duration) {
@@ -400,7 +406,7 @@ func (s *Stage) send(f *familyState, st *bus.State, gen, seq uint64, now time.Ti
 // publish reports pending changes for /healthz and the pending metrics.
 func (s *Stage) publish(fams []*familyState, now time.Time) {
 	for _, f := range fams {
-		s.board.Update(f.name, func(r *bus.Report) { r.PendingSince = f.oldest; r.LastQueued = now })
+		f.status.Update(func(r *bus.Report) { r.PendingSince = f.oldest; r.LastQueued = now })
 	}
 	if len(fams) > 0 && fams[0].Family.Family == s.families[0].Family {
 		s.metrics.ServicesPending.Set(float64(fams[0].pendingServices))

@@ -2,7 +2,6 @@ package coalesce_test
 
 import (
 	"context"
-	"log/slog"
 	"net/netip"
 	"testing"
 	"time"
@@ -10,6 +9,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/kpipe/kpipe/bus"
+	"github.com/kpipe/kpipe/metrics"
 	"github.com/kpipe/kpipe/stages/coalesce"
 )
 
@@ -23,7 +23,7 @@ const quiet = 250 * time.Millisecond
 type harness struct {
 	t      *testing.T
 	in     chan bus.Change
-	replay *bus.Flag
+	replay *bus.ReplayFlag
 	fams   map[bus.Family]coalesce.Family
 	board  *bus.Board
 	reg    *prometheus.Registry
@@ -39,17 +39,17 @@ func start(t *testing.T, cfg coalesce.Config, families ...bus.Family) *harness {
 	if cfg.SyncPeriod == 0 {
 		cfg.SyncPeriod = time.Hour
 	}
-	h := &harness{t: t, in: make(chan bus.Change), replay: bus.NewFlag(), fams: map[bus.Family]coalesce.Family{},
+	h := &harness{t: t, in: make(chan bus.Change), replay: bus.NewReplayFlag(), fams: map[bus.Family]coalesce.Family{},
 		board: bus.NewBoard(), done: make(chan error, 1)}
 	var fs []coalesce.Family
 	for _, f := range families {
-		cf := coalesce.Family{Family: f, Out: bus.NewMailbox[*bus.Snapshot](), Results: bus.NewMailbox[bus.Result](), Resync: bus.NewFlag(), Resend: bus.NewFlag()}
+		cf := coalesce.Family{Family: f, Out: bus.NewMailbox[*bus.Snapshot](), Results: bus.NewMailbox[bus.Result](), Resync: bus.NewResyncFlag(), Resend: bus.NewResendFlag()}
 		h.fams[f] = cf
 		fs = append(fs, cf)
 	}
 	h.reg = prometheus.NewRegistry()
-	metrics := bus.NewMetrics(h.reg)
-	s := coalesce.NewStage(cfg, h.in, h.replay, fs, h.board, metrics, slog.New(slog.DiscardHandler))
+	env := bus.Envs{Metrics: metrics.New(h.reg), Board: h.board}.For(bus.Coalesce)
+	s := coalesce.NewStage(coalesce.Params{Config: cfg, In: h.in, Replay: h.replay, Families: fs, Env: env})
 	ctx, cancel := context.WithCancel(context.Background())
 	h.cancel = cancel
 	go func() { h.done <- s.Run(ctx) }()
@@ -665,11 +665,11 @@ func TestResendAfterRestartSendsTheState(t *testing.T) {
 // snapshots from 1 again, or a Result left in a mailbox by the previous run (the
 // mailboxes outlive it) is taken for the answer to a new snapshot.
 func TestGenerationsOutliveARestart(t *testing.T) {
-	in, replay := make(chan bus.Change), bus.NewFlag()
+	in, replay := make(chan bus.Change), bus.NewReplayFlag()
 	fam := coalesce.Family{Family: bus.IPv4, Out: bus.NewMailbox[*bus.Snapshot](), Results: bus.NewMailbox[bus.Result](),
-		Resync: bus.NewFlag(), Resend: bus.NewFlag()}
-	s := coalesce.NewStage(coalesce.Config{SyncPeriod: time.Hour}, in, replay, []coalesce.Family{fam}, bus.NewBoard(),
-		bus.NewMetrics(prometheus.NewRegistry()), slog.New(slog.DiscardHandler))
+		Resync: bus.NewResyncFlag(), Resend: bus.NewResendFlag()}
+	s := coalesce.NewStage(coalesce.Params{Config: coalesce.Config{SyncPeriod: time.Hour}, In: in, Replay: replay,
+		Families: []coalesce.Family{fam}, Env: bus.Envs{Metrics: metrics.New(prometheus.NewRegistry())}.For(bus.Coalesce)})
 	run := func() (*bus.Snapshot, context.CancelFunc, chan error) {
 		ctx, cancel := context.WithCancel(context.Background())
 		done := make(chan error, 1)

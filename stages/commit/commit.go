@@ -13,6 +13,7 @@ import (
 	"time"
 
 	"github.com/kpipe/kpipe/bus"
+	"github.com/kpipe/kpipe/metrics"
 	nf "github.com/kpipe/kpipe/netfilter"
 )
 
@@ -32,43 +33,44 @@ type Kernel interface {
 	WriteSysctl(name, value string) error
 }
 
-// Outputs are where commit sends what follows a successful commit.
-type Outputs struct {
-	Results      *bus.Mailbox[bus.Result]
-	Resend       *bus.Flag
+// Params wire the commit stage of one family.
+type Params struct {
+	Family bus.Family
+	// LocalhostNodePorts: NodePorts answer on 127.0.0.1 (IPv4 only), which needs
+	// route_localnet and the KUBE-FIREWALL rule that guards it.
+	LocalhostNodePorts bool
+	In                 *bus.Mailbox[*bus.Plan]
+	// Results carry each commit's outcome to coalesce; Resend is raised on every
+	// start (the plan in flight may be lost).
+	Results *bus.Mailbox[bus.Result]
+	Resend  *bus.ResendFlag
+	// Flows (to conntrack) and HealthChecks (to health) follow a successful
+	// commit; either may be nil.
 	Flows        *bus.Mailbox[bus.StaleFlows]
 	HealthChecks *bus.Mailbox[bus.HealthCheckUpdates]
+	// Ledger outlives the stage: a restarted stage gets the same one.
+	Ledger *Ledger
+	Kernel Kernel
+	Env    bus.Env
 }
 
 // Stage applies plans of one family.
 type Stage struct {
+	p      Params
 	family bus.Family
 	// localnetFirewall: NodePorts answer on 127.0.0.1, which needs route_localnet
 	// and the KUBE-FIREWALL rule that guards it.
 	localnetFirewall bool
-	in               *bus.Mailbox[*bus.Plan]
-	out              Outputs
 	ledger           *Ledger
 	kernel           Kernel
-	board            *bus.Board
-	metrics          *bus.Metrics
+	metrics          *metrics.Metrics
 	log              *slog.Logger
-	name             string
 }
 
-// NewStage makes the commit stage of family. ledger outlives the stage: a restarted
-// stage gets the same one.
-func NewStage(family bus.Family, localnetFirewall bool, in *bus.Mailbox[*bus.Plan], out Outputs, ledger *Ledger, kernel Kernel,
-	board *bus.Board, metrics *bus.Metrics, log *slog.Logger) *Stage {
-	return &Stage{family: family, localnetFirewall: localnetFirewall && family == bus.IPv4, in: in, out: out, ledger: ledger,
-		kernel: kernel, board: board, metrics: metrics, log: log, name: "commit-" + lower(family)}
-}
-
-func lower(f bus.Family) string {
-	if f == bus.IPv6 {
-		return "ipv6"
-	}
-	return "ipv4"
+// NewStage makes the commit stage of one family.
+func NewStage(p Params) *Stage {
+	return &Stage{p: p, family: p.Family, localnetFirewall: p.LocalhostNodePorts && p.Family == bus.IPv4, ledger: p.Ledger,
+		kernel: p.Kernel, metrics: p.Env.Metrics, log: p.Env.Log}
 }
 
 // Run applies plans until ctx ends. It never flushes anything at start: the rules
@@ -76,11 +78,11 @@ func lower(f bus.Family) string {
 func (s *Stage) Run(ctx context.Context) error {
 	// A plan a previous run was applying is lost: ask for the state again. The
 	// ledger knows which chains that run may have left half-way.
-	if s.out.Resend != nil {
-		s.out.Resend.Raise()
+	if s.p.Resend != nil {
+		s.p.Resend.Raise()
 	}
 	for {
-		plan, err := s.in.Take(ctx)
+		plan, err := s.p.In.Take(ctx)
 		if err != nil {
 			return nil
 		}
@@ -92,23 +94,23 @@ func (s *Stage) Run(ctx context.Context) error {
 			if ctx.Err() != nil {
 				return nil
 			}
+			// Not logged here: coalesce logs the failure with the backoff it retries after.
 			s.metrics.RestoreFailures.Inc()
-			s.log.Error("commit failed; a full resync follows", "family", s.family, "generation", plan.Generation, "err", err)
-			s.board.Update(s.name, func(r *bus.Report) { r.Errors++; r.LastError = err.Error() })
+			s.p.Env.Status.Failed(err, time.Now())
 			// The failed result makes coalesce retry with a full sync, after a backoff.
-			s.out.Results.Put(bus.Result{Family: s.family, Generation: plan.Generation, Err: err, Full: full, At: time.Now()})
+			s.p.Results.Put(bus.Result{Family: s.family, Generation: plan.Generation, Err: err, Full: full, At: time.Now()})
 			continue
 		}
 		now := time.Now()
 		s.record(plan, full, start, now)
 		flows, udpChanged := staleFlows(s.family, s.ledger.udp, s.ledger.haveUDP, plan.UDP)
 		s.ledger.udp, s.ledger.haveUDP = plan.UDP, true
-		s.out.Results.Put(bus.Result{Family: s.family, Generation: plan.Generation, OK: true, Full: full, Refresh: plan.Refresh, At: now})
-		if s.out.HealthChecks != nil {
-			s.out.HealthChecks.Put(bus.HealthCheckUpdates{s.family: plan.HealthChecks})
+		s.p.Results.Put(bus.Result{Family: s.family, Generation: plan.Generation, OK: true, Full: full, Refresh: plan.Refresh, At: now})
+		if s.p.HealthChecks != nil {
+			s.p.HealthChecks.Put(bus.HealthCheckUpdates{s.family: plan.HealthChecks})
 		}
-		if udpChanged && s.out.Flows != nil {
-			s.out.Flows.Put(flows)
+		if udpChanged && s.p.Flows != nil {
+			s.p.Flows.Put(flows)
 		}
 	}
 }
@@ -301,7 +303,12 @@ func (s *Stage) record(plan *bus.Plan, full bool, start, now time.Time) {
 	for policy, n := range plan.NoLocalEndpoints {
 		s.metrics.NoLocalEndpoints.WithLabelValues(policy).Set(float64(n))
 	}
-	s.board.Update(s.name, func(r *bus.Report) { r.LastSync = now; r.Detail = fmt.Sprintf("generation %d", plan.Generation) })
+	s.p.Env.Status.Update(func(r *bus.Report) {
+		r.LastSync, r.Generation = now, plan.Generation
+		if full {
+			r.LastFullSync = now
+		}
+	})
 	s.log.Debug("committed", "family", s.family, "generation", plan.Generation, "full", full, "took", now.Sub(began))
 }
 

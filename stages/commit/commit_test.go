@@ -3,7 +3,6 @@ package commit
 import (
 	"context"
 	"fmt"
-	"log/slog"
 	"net/netip"
 	"os/exec"
 	"slices"
@@ -13,6 +12,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/kpipe/kpipe/bus"
+	"github.com/kpipe/kpipe/metrics"
 	nf "github.com/kpipe/kpipe/netfilter"
 	"github.com/kpipe/kpipe/netfilter/netnstest"
 	"github.com/kpipe/kpipe/stages/render"
@@ -317,11 +317,15 @@ func TestPeriodicRepairsDrift(t *testing.T) {
 func realStage() *Stage { return testStage(nf.Tool{Family: bus.IPv4}) }
 
 // testStage is a commit stage of IPv4 over kernel, with fresh mailboxes and ledger.
-func testStage(kernel Kernel) *Stage {
-	return NewStage(bus.IPv4, false, bus.NewMailbox[*bus.Plan](), Outputs{
-		Results: bus.NewMailbox[bus.Result](), Resend: bus.NewFlag(),
+func testStage(kernel Kernel) *Stage { return testStageOn(kernel, bus.NewBoard()) }
+
+// testStageOn is testStage reporting to board.
+func testStageOn(kernel Kernel, board *bus.Board) *Stage {
+	return NewStage(Params{Family: bus.IPv4, In: bus.NewMailbox[*bus.Plan](),
+		Results: bus.NewMailbox[bus.Result](), Resend: bus.NewResendFlag(),
 		Flows: bus.NewMergingMailbox(bus.MergeStaleFlows), HealthChecks: bus.NewMergingMailbox(bus.MergeHealthCheckUpdates),
-	}, NewLedger(), kernel, bus.NewBoard(), bus.NewMetrics(prometheus.NewRegistry()), slog.New(slog.DiscardHandler))
+		Ledger: NewLedger(), Kernel: kernel,
+		Env: bus.Envs{Metrics: metrics.New(prometheus.NewRegistry()), Board: board}.For(bus.Commit.Of(bus.IPv4))})
 }
 
 // apply writes plan into the current network namespace with a new commit stage

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"log/slog"
 	"maps"
 	"net/netip"
 	"slices"
@@ -11,6 +12,8 @@ import (
 	"sync"
 	"testing"
 	"time"
+
+	dto "github.com/prometheus/client_model/go"
 
 	"github.com/kpipe/kpipe/bus"
 	nf "github.com/kpipe/kpipe/netfilter"
@@ -438,7 +441,7 @@ func take[T any](t *testing.T, m *bus.Mailbox[T], what string) T {
 func TestRunProtocol(t *testing.T) {
 	k := newFakeKernel()
 	s := testStage(k)
-	out := s.out
+	out := s.p
 	stop := runStage(t, s)
 	defer stop()
 	select {
@@ -448,7 +451,7 @@ func TestRunProtocol(t *testing.T) {
 	}
 	st := render.SyntheticState(5, 1)
 	k.beforeRestore = func(int, string) error { return errors.New("injected: restore failed") }
-	s.in.Put(planOf(st, 7, true))
+	s.p.In.Put(planOf(st, 7, true))
 	if r := take(t, out.Results, "result"); r.OK || r.Generation != 7 || r.Err == nil {
 		t.Fatalf("result of a failed restore = %+v; want not OK, generation 7, an error", r)
 	}
@@ -458,7 +461,7 @@ func TestRunProtocol(t *testing.T) {
 	k.beforeRestore = nil
 	// Not marked full, but nothing was ever committed: it is written, and
 	// answered, as a full sync.
-	s.in.Put(planOf(st, 8, false))
+	s.p.In.Put(planOf(st, 8, false))
 	if r := take(t, out.Results, "result"); !r.OK || r.Generation != 8 || !r.Full {
 		t.Fatalf("result = %+v; want OK full generation 8", r)
 	}
@@ -467,7 +470,7 @@ func TestRunProtocol(t *testing.T) {
 	if len(first.Now) != 5 {
 		t.Errorf("first commit's flows name %d UDP front-ends; want 5", len(first.Now))
 	}
-	s.in.Put(planOf(st, 9, false))
+	s.p.In.Put(planOf(st, 9, false))
 	take(t, out.Results, "result")
 	if f, ok := out.Flows.TryTake(); ok {
 		t.Errorf("stale flows %+v after a commit that changed no UDP front-end", f)
@@ -478,10 +481,108 @@ func TestRunProtocol(t *testing.T) {
 	stop()
 	stop = runStage(t, s)
 	gone := with(st, nil, []string{"svc2"}, "")
-	s.in.Put(planOf(gone, 10, false))
+	s.p.In.Put(planOf(gone, 10, false))
 	take(t, out.Results, "result")
 	flows := take(t, out.Flows, "stale flows after the restart")
 	if len(flows.Gone) != 1 {
 		t.Errorf("after a restart, a deleted UDP service's front-end is not gone: %+v", flows.Gone)
 	}
+}
+
+// TestRunReportsSyncStatus: commit's entry on the board (what /sync and /healthz
+// show) names the generation of the last successful commit, when it finished,
+// and when the last full one finished; a failure counts as an error and changes
+// none of them.
+func TestRunReportsSyncStatus(t *testing.T) {
+	k := newFakeKernel()
+	board := bus.NewBoard()
+	s := testStageOn(k, board)
+	stop := runStage(t, s)
+	defer stop()
+	report := func() bus.Report { return board.Read()[bus.Commit.Of(bus.IPv4)] }
+	st := render.SyntheticState(3, 1)
+
+	before := time.Now()
+	s.p.In.Put(planOf(st, 4, false)) // the first commit of a process is a full one
+	take(t, s.p.Results, "result")
+	r := report()
+	if r.Generation != 4 || r.LastSync.Before(before) || !r.LastFullSync.Equal(r.LastSync) {
+		t.Fatalf("after a first commit: %+v; want generation 4, last sync = last full sync, after %v", r, before)
+	}
+	full := r.LastFullSync
+
+	s.p.In.Put(planOf(st, 5, false))
+	take(t, s.p.Results, "result")
+	r = report()
+	if r.Generation != 5 || !r.LastSync.After(full) || !r.LastFullSync.Equal(full) {
+		t.Fatalf("after a partial commit: %+v; want generation 5, a new last sync, the full sync of generation 4", r)
+	}
+	last := r.LastSync
+
+	k.beforeRestore = func(int, string) error { return errors.New("injected: restore failed") }
+	s.p.In.Put(planOf(st, 6, true))
+	take(t, s.p.Results, "result")
+	r = report()
+	if r.Generation != 5 || !r.LastSync.Equal(last) || !r.LastFullSync.Equal(full) || r.Errors != 1 || r.LastError == "" {
+		t.Fatalf("after a failed commit: %+v; want generation 5 and the same times, one error", r)
+	}
+}
+
+// TestFailedCommitIsLeftToCoalesceToLog: a failed commit is counted (the restore
+// failures metric, the stage's errors) and answered, but commit writes no log
+// record about it: coalesce logs it once, with the backoff it retries after.
+func TestFailedCommitIsLeftToCoalesceToLog(t *testing.T) {
+	k := newFakeKernel()
+	board := bus.NewBoard()
+	s := testStageOn(k, board)
+	var records countingHandler
+	s.log = slog.New(&records)
+	stop := runStage(t, s)
+	defer stop()
+	k.beforeRestore = func(int, string) error { return errors.New("injected: restore failed") }
+	for gen := uint64(1); gen <= 3; gen++ {
+		s.p.In.Put(planOf(render.SyntheticState(2, 1), gen, true))
+		if r := take(t, s.p.Results, "result"); r.OK {
+			t.Fatalf("generation %d: result OK; want a failure", gen)
+		}
+	}
+	var m dto.Metric
+	if err := s.metrics.RestoreFailures.Write(&m); err != nil || m.GetCounter().GetValue() != 3 {
+		got := m.GetCounter().GetValue()
+		t.Errorf("restore failures = %v; want 3", got)
+	}
+	if r := board.Read()[bus.Commit.Of(bus.IPv4)]; r.Errors != 3 {
+		t.Errorf("commit's errors on the board = %d; want 3", r.Errors)
+	}
+	if n := records.atLeast(slog.LevelInfo); n != 0 {
+		t.Errorf("commit logged %d records at info or above about failures coalesce logs", n)
+	}
+}
+
+// countingHandler counts log records by level.
+type countingHandler struct {
+	mu     sync.Mutex
+	levels []slog.Level
+}
+
+func (h *countingHandler) Enabled(context.Context, slog.Level) bool { return true }
+func (h *countingHandler) Handle(_ context.Context, r slog.Record) error {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	h.levels = append(h.levels, r.Level)
+	return nil
+}
+func (h *countingHandler) WithAttrs([]slog.Attr) slog.Handler { return h }
+func (h *countingHandler) WithGroup(string) slog.Handler      { return h }
+
+func (h *countingHandler) atLeast(l slog.Level) int {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	n := 0
+	for _, v := range h.levels {
+		if v >= l {
+			n++
+		}
+	}
+	return n
 }

@@ -10,28 +10,41 @@ import (
 	"time"
 
 	"github.com/kpipe/kpipe/bus"
+	"github.com/kpipe/kpipe/metrics"
 	nf "github.com/kpipe/kpipe/netfilter"
 )
 
-// clearer is what the stage needs from netfilter (nf.Conntrack).
-type clearer interface {
+// Clearer is what the stage needs from netfilter (nf.Conntrack).
+type Clearer interface {
 	ClearStaleUDP(nf.StaleUDP) (int, error)
 	Close() error
+}
+
+// Params wire the conntrack stage of one family.
+type Params struct {
+	Family bus.Family
+	In     *bus.Mailbox[bus.StaleFlows]
+	// Dial opens the conntrack connection on every start; nil: netlink (nf.DialConntrack).
+	Dial func() (Clearer, error)
+	Env  bus.Env
 }
 
 // Stage clears stale UDP flows of one family.
 type Stage struct {
 	family  bus.Family
 	in      *bus.Mailbox[bus.StaleFlows]
-	metrics *bus.Metrics
+	metrics *metrics.Metrics
 	log     *slog.Logger
-	dial    func() (clearer, error)
+	dial    func() (Clearer, error)
 }
 
-// NewStage makes the conntrack stage of family.
-func NewStage(family bus.Family, in *bus.Mailbox[bus.StaleFlows], metrics *bus.Metrics, log *slog.Logger) *Stage {
-	dial := func() (clearer, error) { return nf.DialConntrack() }
-	return &Stage{family: family, in: in, metrics: metrics, log: log, dial: dial}
+// NewStage makes the conntrack stage of one family.
+func NewStage(p Params) *Stage {
+	dial := p.Dial
+	if dial == nil {
+		dial = func() (Clearer, error) { return nf.DialConntrack() }
+	}
+	return &Stage{family: p.Family, in: p.In, metrics: p.Env.Metrics, log: p.Env.Log, dial: dial}
 }
 
 // Run clears flows after each commit that changed UDP front-ends, until ctx ends.

@@ -3,7 +3,6 @@ package conntrack
 import (
 	"context"
 	"fmt"
-	"log/slog"
 	"net/netip"
 	"syscall"
 	"testing"
@@ -14,6 +13,7 @@ import (
 	"github.com/vishvananda/netlink"
 
 	"github.com/kpipe/kpipe/bus"
+	"github.com/kpipe/kpipe/metrics"
 	"github.com/kpipe/kpipe/netfilter/netnstest"
 )
 
@@ -83,7 +83,7 @@ func TestStageClearsStaleUDPFlows(t *testing.T) {
 			},
 			Gone: map[netip.AddrPort]bool{netip.MustParseAddrPort("10.96.0.20:514"): true, netip.MustParseAddrPort("0.0.0.0:31000"): true}})
 		reg := prometheus.NewRegistry()
-		s := NewStage(bus.IPv4, in, bus.NewMetrics(reg), slog.New(slog.DiscardHandler))
+		s := NewStage(Params{Family: bus.IPv4, In: in, Env: bus.Envs{Metrics: metrics.New(reg)}.For(bus.Conntrack.Of(bus.IPv4))})
 		ctx, cancel := context.WithCancel(context.Background())
 		defer cancel()
 		go func() {

@@ -3,7 +3,6 @@ package conntrack
 import (
 	"context"
 	"errors"
-	"log/slog"
 	"net/netip"
 	"testing"
 	"time"
@@ -11,6 +10,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/kpipe/kpipe/bus"
+	"github.com/kpipe/kpipe/metrics"
 	nf "github.com/kpipe/kpipe/netfilter"
 )
 
@@ -44,8 +44,8 @@ func TestFailedPassKeepsNewerEndpoints(t *testing.T) {
 	in := bus.NewMergingMailbox(bus.MergeStaleFlows)
 	fake := &fakeConntrack{in: in, newer: bus.StaleFlows{Family: bus.IPv4,
 		Now: map[netip.AddrPort][]netip.AddrPort{fe: {newEP}}, Gone: map[netip.AddrPort]bool{gone2: true}}}
-	s := NewStage(bus.IPv4, in, bus.NewMetrics(prometheus.NewRegistry()), slog.New(slog.DiscardHandler))
-	s.dial = func() (clearer, error) { return fake, nil }
+	s := NewStage(Params{Family: bus.IPv4, In: in, Env: bus.Envs{Metrics: metrics.New(prometheus.NewRegistry())}.For(bus.Conntrack.Of(bus.IPv4))})
+	s.dial = func() (Clearer, error) { return fake, nil }
 	in.Put(bus.StaleFlows{Family: bus.IPv4, Now: map[netip.AddrPort][]netip.AddrPort{fe: {oldEP}}, Gone: map[netip.AddrPort]bool{gone1: true}})
 
 	if err := s.Run(context.Background()); err == nil {

@@ -19,6 +19,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/kpipe/kpipe/bus"
+	"github.com/kpipe/kpipe/metrics"
 )
 
 // Config says where and what the health stage serves.
@@ -34,7 +35,7 @@ type Config struct {
 	// SideStages name stages (e.g. "conntrack-ipv4", "canary") whose failures never
 	// decide /healthz or /livez but are listed in their bodies, under "degraded",
 	// while their last error is younger than the health timeout.
-	SideStages []string
+	SideStages []bus.StageName
 	// Configz is served as JSON at /configz, under kube-proxy's configz key
 	// ("kubeproxy.config.k8s.io"), as kube-proxy serves its configuration.
 	Configz any
@@ -57,7 +58,7 @@ type Health struct {
 	timeout  time.Duration
 	board    *bus.Board
 	gatherer prometheus.Gatherer
-	metrics  *bus.Metrics
+	metrics  *metrics.Metrics
 	checks   *bus.Mailbox[bus.HealthCheckUpdates]
 	stages   http.Handler
 	log      *slog.Logger
@@ -76,12 +77,25 @@ type Health struct {
 	bound map[string]net.Addr
 }
 
-// New makes the health stage. board carries the other stages' reports, gatherer the
-// metrics /metrics serves, metrics the counters of /healthz and /livez answers,
-// checks the healthCheckNodePort answers (one HealthChecks per family), stages the
-// supervisor's /debug/stages handler (mounted only with EnableDebug; may be nil).
-func New(cfg Config, board *bus.Board, gatherer prometheus.Gatherer, metrics *bus.Metrics,
-	checks *bus.Mailbox[bus.HealthCheckUpdates], stages http.Handler, log *slog.Logger) *Health {
+// Params wire the health stage.
+type Params struct {
+	Config Config
+	// Board carries the other stages' reports.
+	Board *bus.Board
+	// Gatherer is what /metrics serves.
+	Gatherer prometheus.Gatherer
+	// Checks are the healthCheckNodePort answers (one HealthChecks per family).
+	Checks *bus.Mailbox[bus.HealthCheckUpdates]
+	// Stages is the supervisor's /debug/stages handler (mounted only with
+	// EnableDebug; may be nil).
+	Stages http.Handler
+	// Env's metrics count the /healthz and /livez answers.
+	Env bus.Env
+}
+
+// New makes the health stage.
+func New(p Params) *Health {
+	cfg, board, log := p.Config, p.Board, p.Env.Log
 	if log == nil {
 		log = slog.New(slog.DiscardHandler)
 	}
@@ -108,10 +122,10 @@ func New(cfg Config, board *bus.Board, gatherer prometheus.Gatherer, metrics *bu
 		families: families,
 		timeout:  2 * period,
 		board:    board,
-		gatherer: gatherer,
-		metrics:  metrics,
-		checks:   checks,
-		stages:   stages,
+		gatherer: p.Gatherer,
+		metrics:  p.Env.Metrics,
+		checks:   p.Checks,
+		stages:   p.Stages,
 		log:      log,
 		started:  time.Now(),
 		now:      time.Now,

@@ -14,6 +14,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/kpipe/kpipe/bus"
+	"github.com/kpipe/kpipe/metrics"
 )
 
 // harness is a Health wired to fresh bus values, with a fixed clock.
@@ -21,7 +22,7 @@ type harness struct {
 	h       *Health
 	board   *bus.Board
 	reg     *prometheus.Registry
-	metrics *bus.Metrics
+	metrics *metrics.Metrics
 	checks  *bus.Mailbox[bus.HealthCheckUpdates]
 	now     time.Time
 }
@@ -37,12 +38,13 @@ func newHarness(t *testing.T, cfg Config, stages http.Handler) *harness {
 	hs := &harness{
 		board:   bus.NewBoard(),
 		reg:     reg,
-		metrics: bus.NewMetrics(reg),
+		metrics: metrics.New(reg),
 		checks:  bus.NewMergingMailbox(bus.MergeHealthCheckUpdates),
 		now:     testNow,
 	}
 	log := slog.New(slog.NewTextHandler(testWriter{t}, &slog.HandlerOptions{Level: slog.LevelDebug}))
-	hs.h = New(cfg, hs.board, reg, hs.metrics, hs.checks, stages, log)
+	hs.h = New(Params{Config: cfg, Board: hs.board, Gatherer: reg, Checks: hs.checks, Stages: stages,
+		Env: bus.Env{Log: log, Metrics: hs.metrics}})
 	hs.h.started = testStarted
 	hs.h.now = func() time.Time { return testNow }
 	hs.h.grace = time.Second
@@ -171,7 +173,7 @@ func TestHealthzAndLivez(t *testing.T) {
 	tests := []struct {
 		name        string
 		families    []bus.Family
-		reports     map[string]bus.Report
+		reports     map[bus.StageName]bus.Report
 		healthzCode int
 		livezCode   int
 		healthz     string // exact /healthz body
@@ -184,7 +186,7 @@ func TestHealthzAndLivez(t *testing.T) {
 		livez:       `{"lastUpdated":"2025-01-02T03:10:00Z","currentTime":"2025-01-02T03:10:00Z","healthy":true,"status":{"IPv4":{"lastUpdated":"2025-01-02T03:00:00Z","healthy":true}}}`,
 	}, {
 		name: "synced",
-		reports: map[string]bus.Report{
+		reports: map[bus.StageName]bus.Report{
 			"commit-ipv4":   {LastSync: ago(30 * time.Second)},
 			"coalesce-ipv4": {LastQueued: ago(31 * time.Second)},
 		},
@@ -194,7 +196,7 @@ func TestHealthzAndLivez(t *testing.T) {
 		livez:       `{"lastUpdated":"2025-01-02T03:10:00Z","currentTime":"2025-01-02T03:10:00Z","healthy":true,"status":{"IPv4":{"lastUpdated":"2025-01-02T03:09:30Z","healthy":true}}}`,
 	}, {
 		name: "pending too long",
-		reports: map[string]bus.Report{
+		reports: map[bus.StageName]bus.Report{
 			"commit-ipv4":   {LastSync: ago(5 * time.Minute)},
 			"coalesce-ipv4": {PendingSince: ago(timeout + time.Second)},
 		},
@@ -204,8 +206,8 @@ func TestHealthzAndLivez(t *testing.T) {
 		livez:       `{"lastUpdated":"2025-01-02T03:05:00Z","currentTime":"2025-01-02T03:10:00Z","healthy":false,"status":{"IPv4":{"lastUpdated":"2025-01-02T03:05:00Z","healthy":false}}}`,
 	}, {
 		name: "node deleting",
-		reports: map[string]bus.Report{
-			"watch":       {Detail: "node-deleting"},
+		reports: map[bus.StageName]bus.Report{
+			"watch":       {NodeDeleting: true},
 			"commit-ipv4": {LastSync: ago(30 * time.Second)},
 		},
 		healthzCode: http.StatusServiceUnavailable,
@@ -215,7 +217,7 @@ func TestHealthzAndLivez(t *testing.T) {
 	}, {
 		name:     "dual-stack, IPv6 late",
 		families: []bus.Family{bus.IPv4, bus.IPv6},
-		reports: map[string]bus.Report{
+		reports: map[bus.StageName]bus.Report{
 			"commit-ipv4":   {LastSync: ago(30 * time.Second)},
 			"commit-ipv6":   {LastSync: ago(5 * time.Minute)},
 			"coalesce-ipv6": {PendingSince: ago(4 * time.Minute)},
@@ -298,7 +300,7 @@ func TestHealthzFollowsBoard(t *testing.T) {
 	if r := get(t, url); r.code != http.StatusOK {
 		t.Fatalf("synced again: code %d", r.code)
 	}
-	hs.board.Update("watch", func(r *bus.Report) { r.Detail = "node-deleting" })
+	hs.board.Update("watch", func(r *bus.Report) { r.NodeDeleting = true })
 	if r := get(t, url); r.code != http.StatusServiceUnavailable {
 		t.Fatalf("node deleting: code %d", r.code)
 	}
@@ -517,7 +519,7 @@ func TestRunListenError(t *testing.T) {
 func TestHealthzListsDegradedSideStages(t *testing.T) {
 	ago := func(d time.Duration) time.Time { return testNow.Add(-d) }
 	hs := newHarness(t, Config{HealthzAddr: "127.0.0.1:0", SyncPeriod: time.Minute,
-		SideStages: []string{"conntrack-ipv4", "canary", "conntrack-ipv6"}}, nil)
+		SideStages: []bus.StageName{"conntrack-ipv4", "canary", "conntrack-ipv6"}}, nil)
 	hs.board.Publish("commit-ipv4", bus.Report{LastSync: ago(30 * time.Second), Errors: 1, LastError: "restore failed", LastErrorAt: ago(time.Second)})
 	hs.board.Publish("conntrack-ipv4", bus.Report{Errors: 3, LastError: "conntrack: netlink: no buffer space", LastErrorAt: ago(10 * time.Second)})
 	hs.board.Publish("canary", bus.Report{Errors: 1, LastError: "canary: old failure", LastErrorAt: ago(2*time.Minute + time.Second)})

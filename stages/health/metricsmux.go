@@ -19,7 +19,7 @@ const proxyMode = "iptables"
 const configzKey = "kubeproxy.config.k8s.io"
 
 // metricsMux serves the metrics listener as kube-proxy's serveMetrics does: /healthz
-// (the ping-only apiserver healthz), /proxyMode, /metrics, /configz and, when debug
+// (the ping-only apiserver healthz), /proxyMode, /metrics, /configz, kpipe's /sync and, when debug
 // is enabled, the profiling handlers — plus kpipe's /debug/stages.
 func (h *Health) metricsMux() http.Handler {
 	mux := http.NewServeMux()
@@ -35,6 +35,7 @@ func (h *Health) metricsMux() http.Handler {
 			ErrorLog: slogPromLogger{h}, ErrorHandling: promhttp.HTTPErrorOnError}))
 	}
 	mux.HandleFunc("/configz", h.serveConfigz)
+	mux.HandleFunc("GET /sync", h.serveSync)
 	if h.cfg.EnableDebug {
 		// Registered on this mux only: importing net/http/pprof also registers on
 		// http.DefaultServeMux, which kpipe never serves.

@@ -3,20 +3,10 @@ package health
 import (
 	"encoding/json"
 	"net/http"
-	"strings"
 	"time"
 
 	"github.com/kpipe/kpipe/bus"
 )
-
-// Report names and details the health decision reads from the board.
-const (
-	watchStage        = "watch"
-	nodeDeletingState = "node-deleting"
-)
-
-func coalesceStage(f bus.Family) string { return "coalesce-" + strings.ToLower(f.String()) }
-func commitStage(f bus.Family) string   { return "commit-" + strings.ToLower(f.String()) }
 
 // proxierHealth is one family's health, as kube-proxy's ProxierHealth.
 type proxierHealth struct {
@@ -42,10 +32,10 @@ type proxyHealth struct {
 // or longer; a family that has never committed counts as updated at started (kube-
 // proxy marks each proxier updated when its sync loop starts). LastUpdated is the
 // newest over the families. It ignores the node (see nodeEligible).
-func decide(reports map[string]bus.Report, families []bus.Family, started, now time.Time, timeout time.Duration) proxyHealth {
+func decide(reports map[bus.StageName]bus.Report, families []bus.Family, started, now time.Time, timeout time.Duration) proxyHealth {
 	ph := proxyHealth{CurrentTime: now, Healthy: true, Status: make(map[string]proxierHealth, len(families))}
 	for _, f := range families {
-		last := reports[commitStage(f)].LastSync
+		last := reports[bus.Commit.Of(f)].LastSync
 		if last.IsZero() {
 			last = started
 		}
@@ -53,7 +43,7 @@ func decide(reports map[string]bus.Report, families []bus.Family, started, now t
 			ph.LastUpdated = last
 		}
 		healthy := true
-		if pending := reports[coalesceStage(f)].PendingSince; !pending.IsZero() && now.Sub(pending) >= timeout {
+		if pending := reports[bus.Coalesce.Of(f)].PendingSince; !pending.IsZero() && now.Sub(pending) >= timeout {
 			healthy = false
 			ph.Healthy = false
 		}
@@ -64,13 +54,13 @@ func decide(reports map[string]bus.Report, families []bus.Family, started, now t
 
 // nodeEligible is false once watch reports this node's deletion (kube-proxy's
 // nodeEligible); true while starting, before watch has seen the node.
-func nodeEligible(reports map[string]bus.Report) bool {
-	return reports[watchStage].Detail != nodeDeletingState
+func nodeEligible(reports map[bus.StageName]bus.Report) bool {
+	return !reports[bus.Watch].NodeDeleting
 }
 
 // degraded names the side stages whose last failure is younger than timeout, with
 // their last error; nil when there are none.
-func degraded(reports map[string]bus.Report, side []string, now time.Time, timeout time.Duration) map[string]string {
+func degraded(reports map[bus.StageName]bus.Report, side []bus.StageName, now time.Time, timeout time.Duration) map[string]string {
 	var out map[string]string
 	for _, name := range side {
 		r := reports[name]
@@ -80,7 +70,7 @@ func degraded(reports map[string]bus.Report, side []string, now time.Time, timeo
 		if out == nil {
 			out = map[string]string{}
 		}
-		out[name] = r.LastError
+		out[string(name)] = r.LastError
 	}
 	return out
 }

@@ -17,7 +17,7 @@ func TestDecide(t *testing.T) {
 
 	tests := []struct {
 		name        string
-		reports     map[string]bus.Report
+		reports     map[bus.StageName]bus.Report
 		families    []bus.Family
 		healthy     bool
 		lastUpdated time.Time
@@ -31,7 +31,7 @@ func TestDecide(t *testing.T) {
 	}, {
 		name:     "starting, change pending but not late",
 		families: v4,
-		reports: map[string]bus.Report{
+		reports: map[bus.StageName]bus.Report{
 			"coalesce-ipv4": {PendingSince: ago(timeout - time.Second), LastQueued: ago(time.Second)},
 		},
 		healthy:     true,
@@ -40,7 +40,7 @@ func TestDecide(t *testing.T) {
 	}, {
 		name:     "never synced, change pending too long",
 		families: v4,
-		reports: map[string]bus.Report{
+		reports: map[bus.StageName]bus.Report{
 			"coalesce-ipv4": {PendingSince: ago(timeout + time.Second)},
 		},
 		healthy:     false,
@@ -49,7 +49,7 @@ func TestDecide(t *testing.T) {
 	}, {
 		name:     "synced, nothing pending",
 		families: v4,
-		reports: map[string]bus.Report{
+		reports: map[bus.StageName]bus.Report{
 			"coalesce-ipv4": {LastQueued: ago(5 * time.Minute)},
 			"commit-ipv4":   {LastSync: ago(5 * time.Minute)},
 		},
@@ -59,7 +59,7 @@ func TestDecide(t *testing.T) {
 	}, {
 		name:     "synced long ago, nothing pending since",
 		families: v4,
-		reports: map[string]bus.Report{
+		reports: map[bus.StageName]bus.Report{
 			"commit-ipv4": {LastSync: ago(9 * time.Minute)},
 		},
 		healthy:     true,
@@ -68,7 +68,7 @@ func TestDecide(t *testing.T) {
 	}, {
 		name:     "pending exactly the timeout",
 		families: v4,
-		reports: map[string]bus.Report{
+		reports: map[bus.StageName]bus.Report{
 			"coalesce-ipv4": {PendingSince: ago(timeout)},
 			"commit-ipv4":   {LastSync: ago(2 * timeout)},
 		},
@@ -78,7 +78,7 @@ func TestDecide(t *testing.T) {
 	}, {
 		name:     "pending too long",
 		families: v4,
-		reports: map[string]bus.Report{
+		reports: map[bus.StageName]bus.Report{
 			"coalesce-ipv4": {PendingSince: ago(3 * timeout)},
 			"commit-ipv4":   {LastSync: ago(4 * timeout)},
 		},
@@ -88,7 +88,7 @@ func TestDecide(t *testing.T) {
 	}, {
 		name:     "other family's report is ignored",
 		families: v4,
-		reports: map[string]bus.Report{
+		reports: map[bus.StageName]bus.Report{
 			"coalesce-ipv6": {PendingSince: ago(3 * timeout)},
 			"commit-ipv4":   {LastSync: ago(time.Minute)},
 		},
@@ -98,7 +98,7 @@ func TestDecide(t *testing.T) {
 	}, {
 		name:     "dual-stack, one family late",
 		families: dual,
-		reports: map[string]bus.Report{
+		reports: map[bus.StageName]bus.Report{
 			"commit-ipv4":   {LastSync: ago(time.Minute)},
 			"coalesce-ipv6": {PendingSince: ago(2 * timeout)},
 			"commit-ipv6":   {LastSync: ago(3 * timeout)},
@@ -109,7 +109,7 @@ func TestDecide(t *testing.T) {
 	}, {
 		name:     "dual-stack, both synced",
 		families: dual,
-		reports: map[string]bus.Report{
+		reports: map[bus.StageName]bus.Report{
 			"commit-ipv4": {LastSync: ago(2 * time.Minute)},
 			"commit-ipv6": {LastSync: ago(time.Minute)},
 		},
@@ -119,8 +119,8 @@ func TestDecide(t *testing.T) {
 	}, {
 		name:     "node deleting does not make the proxy unhealthy",
 		families: v4,
-		reports: map[string]bus.Report{
-			"watch":       {Detail: "node-deleting"},
+		reports: map[bus.StageName]bus.Report{
+			"watch":       {NodeDeleting: true},
 			"commit-ipv4": {LastSync: ago(time.Minute)},
 		},
 		healthy:     true,
@@ -157,13 +157,13 @@ func TestDecide(t *testing.T) {
 func TestNodeEligible(t *testing.T) {
 	tests := []struct {
 		name    string
-		reports map[string]bus.Report
+		reports map[bus.StageName]bus.Report
 		want    bool
 	}{
 		{"starting, watch has not reported", nil, true},
-		{"node seen", map[string]bus.Report{"watch": {Detail: "synced"}}, true},
-		{"node deleting", map[string]bus.Report{"watch": {Detail: "node-deleting"}}, false},
-		{"another stage's detail", map[string]bus.Report{"commit-ipv4": {Detail: "node-deleting"}}, true},
+		{"node seen", map[bus.StageName]bus.Report{"watch": {LastQueued: testNow}}, true},
+		{"node deleting", map[bus.StageName]bus.Report{"watch": {NodeDeleting: true}}, false},
+		{"another stage says node deleting", map[bus.StageName]bus.Report{"commit-ipv4": {NodeDeleting: true}}, true},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {

@@ -186,7 +186,7 @@ func TestServiceHealthProxyUnhealthy(t *testing.T) {
 	}
 
 	// A node being deleted fails /healthz but not the proxy's own health.
-	hs.board.Publish("watch", bus.Report{Detail: "node-deleting"})
+	hs.board.Publish("watch", bus.Report{NodeDeleting: true})
 	if r := waitAnswer(t, port, hcBody("ns", "svc", 4, true)); r.code != http.StatusOK {
 		t.Errorf("node deleting: code %d, want 200", r.code)
 	}

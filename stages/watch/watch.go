@@ -20,6 +20,7 @@ import (
 	"k8s.io/client-go/tools/cache"
 
 	"github.com/kpipe/kpipe/bus"
+	"github.com/kpipe/kpipe/metrics"
 	nf "github.com/kpipe/kpipe/netfilter"
 )
 
@@ -33,9 +34,9 @@ type Stage struct {
 	client     kubernetes.Interface
 	conv       Converter
 	out        chan<- bus.Change
-	replay     *bus.Flag
-	board      *bus.Board
-	metrics    *bus.Metrics
+	replay     *bus.ReplayFlag
+	status     bus.Reporter
+	metrics    *metrics.Metrics
 	log        *slog.Logger
 	watchAddrs bool
 
@@ -53,11 +54,21 @@ type Stage struct {
 	lastNode *bus.Node
 }
 
-// NewStage makes the watch stage. watchAddrs turns on the netlink address watch
-// (needed for --nodeport-addresses).
-func NewStage(client kubernetes.Interface, nodeName string, out chan<- bus.Change, replay *bus.Flag, board *bus.Board, metrics *bus.Metrics, log *slog.Logger, watchAddrs bool) *Stage {
-	return &Stage{client: client, conv: Converter{NodeName: nodeName}, out: out, replay: replay, board: board, metrics: metrics, log: log,
-		watchAddrs: watchAddrs, subscribe: nf.SubscribeAddrs}
+// Params wire the watch stage.
+type Params struct {
+	Client   kubernetes.Interface
+	NodeName string
+	Out      chan<- bus.Change
+	Replay   *bus.ReplayFlag // coalesce asks for the whole state
+	// WatchAddrs turns on the netlink address watch (needed for --nodeport-addresses).
+	WatchAddrs bool
+	Env        bus.Env
+}
+
+// NewStage makes the watch stage.
+func NewStage(p Params) *Stage {
+	return &Stage{client: p.Client, conv: Converter{NodeName: p.NodeName}, out: p.Out, replay: p.Replay, status: p.Env.Status,
+		metrics: p.Env.Metrics, log: p.Env.Log, watchAddrs: p.WatchAddrs, subscribe: nf.SubscribeAddrs}
 }
 
 type informerSet struct {
@@ -333,11 +344,7 @@ func (s *Stage) slice(sl *discoveryv1.EndpointSlice) *bus.EndpointSlice {
 
 func (s *Stage) node(n *corev1.Node) *bus.Node {
 	node := s.conv.Node(n)
-	detail := ""
-	if node.Deleting {
-		detail = "node-deleting"
-	}
-	s.board.Update("watch", func(r *bus.Report) { r.Detail = detail; r.LastQueued = time.Now() })
+	s.status.Update(func(r *bus.Report) { r.NodeDeleting = node.Deleting; r.LastQueued = time.Now() })
 	return node
 }
 

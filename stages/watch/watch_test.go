@@ -2,7 +2,6 @@ package watch
 
 import (
 	"context"
-	"log/slog"
 	"net/netip"
 	"reflect"
 	"slices"
@@ -20,6 +19,7 @@ import (
 	k8stesting "k8s.io/client-go/testing"
 
 	"github.com/kpipe/kpipe/bus"
+	"github.com/kpipe/kpipe/metrics"
 )
 
 const within = 10 * time.Second
@@ -29,7 +29,7 @@ type stageHarness struct {
 	t       *testing.T
 	client  *fake.Clientset
 	out     chan bus.Change
-	replay  *bus.Flag
+	replay  *bus.ReplayFlag
 	board   *bus.Board
 	reg     *prometheus.Registry
 	stage   *Stage
@@ -51,7 +51,7 @@ func startStage(t *testing.T, objects ...runtime.Object) *stageHarness {
 // startStageWith is startStage with setup applied to the stage before it runs.
 func startStageWith(t *testing.T, setup func(*Stage), objects ...runtime.Object) *stageHarness {
 	t.Helper()
-	h := &stageHarness{t: t, client: fake.NewClientset(objects...), out: make(chan bus.Change, 256), replay: bus.NewFlag(),
+	h := &stageHarness{t: t, client: fake.NewClientset(objects...), out: make(chan bus.Change, 256), replay: bus.NewReplayFlag(),
 		board: bus.NewBoard(), reg: prometheus.NewRegistry(), watches: make(chan string, 64), selectors: map[string][]string{}}
 	h.client.PrependReactor("list", "*", func(a k8stesting.Action) (bool, runtime.Object, error) {
 		if l, ok := a.(k8stesting.ListAction); ok {
@@ -72,7 +72,8 @@ func startStageWith(t *testing.T, setup func(*Stage), objects ...runtime.Object)
 		h.watches <- a.GetResource().Resource
 		return true, w, nil
 	})
-	h.stage = NewStage(h.client, "node-1", h.out, h.replay, h.board, bus.NewMetrics(h.reg), slog.New(slog.DiscardHandler), false)
+	h.stage = NewStage(Params{Client: h.client, NodeName: "node-1", Out: h.out, Replay: h.replay,
+		Env: bus.Envs{Metrics: metrics.New(h.reg), Board: h.board}.For(bus.Watch)})
 	if setup != nil {
 		setup(h.stage)
 	}
@@ -312,8 +313,8 @@ func TestStageSendsChanges(t *testing.T) {
 		t.Fatal(err)
 	}
 	h.next("node deleting", func(c bus.Change) bool { return c.Kind == bus.NodeChanged && c.Node.Deleting })
-	if got := h.board.Read()["watch"].Detail; got != "node-deleting" {
-		t.Errorf("watch report detail = %q; want node-deleting", got)
+	if !h.board.Read()[bus.Watch].NodeDeleting {
+		t.Errorf("watch report = %+v; want NodeDeleting", h.board.Read()[bus.Watch])
 	}
 }
 

@@ -1,4 +1,5 @@
-package bus
+// Package metrics holds the Prometheus collectors the stages report to.
+package metrics
 
 import "github.com/prometheus/client_golang/prometheus"
 
@@ -27,8 +28,8 @@ type Metrics struct {
 	StageRestarts       *prometheus.CounterVec // kpipe: supervisor restarts, by stage
 }
 
-// NewMetrics makes the collectors and registers them with reg.
-func NewMetrics(reg prometheus.Registerer) *Metrics {
+// New makes the collectors and registers them with reg.
+func New(reg prometheus.Registerer) *Metrics {
 	buckets := prometheus.ExponentialBuckets(0.001, 2, 15)
 	m := &Metrics{
 		SyncDuration: prometheus.NewHistogram(prometheus.HistogramOpts{

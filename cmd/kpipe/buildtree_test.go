@@ -1,0 +1,158 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"log/slog"
+	"slices"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	corev1 "k8s.io/api/core/v1"
+	discoveryv1 "k8s.io/api/discovery/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	k8swatch "k8s.io/apimachinery/pkg/watch"
+	"k8s.io/client-go/kubernetes/fake"
+	k8stesting "k8s.io/client-go/testing"
+
+	"github.com/kpipe/kpipe/bus"
+	nf "github.com/kpipe/kpipe/netfilter"
+	"github.com/kpipe/kpipe/stages/canary"
+	"github.com/kpipe/kpipe/stages/commit"
+	"github.com/kpipe/kpipe/stages/conntrack"
+)
+
+// TestBuildTreeProgramsAService: the real supervisor tree, built by buildTree on
+// a fake apiserver and a fake kernel (no root: canaries, conntrack and the
+// address watch are faked or off, health listens on 127.0.0.1:0), puts a
+// Service created after it started into the kernel's nat table: its ClusterIP
+// rule and the DNAT to its endpoint.
+func TestBuildTreeProgramsAService(t *testing.T) {
+	client := fake.NewClientset()
+	// The fake's watches miss what happens before they start: create the objects
+	// only once the Service and EndpointSlice watches are in place.
+	watching := make(chan string, 16)
+	client.PrependWatchReactor("*", func(a k8stesting.Action) (bool, k8swatch.Interface, error) {
+		w, err := client.Tracker().Watch(a.GetResource(), a.GetNamespace())
+		if err != nil {
+			return false, nil, err
+		}
+		select {
+		case watching <- a.GetResource().Resource:
+		default:
+		}
+		return true, w, nil
+	})
+	kernel := newFakeKernel()
+	var logs syncBuffer
+	o := defaultOptions()
+	o.HostnameOverride, o.HealthzBindAddress, o.MetricsBindAddress = "node-1", "127.0.0.1:0", "127.0.0.1:0"
+	o.MinSyncPeriod = 0
+	if err := o.complete(); err != nil {
+		t.Fatal(err)
+	}
+	d := deps{client: client, kernels: map[bus.Family]commit.Kernel{bus.IPv4: kernel},
+		canaries:  map[bus.Family]canary.Canaries{bus.IPv4: liveCanaries{}},
+		conntrack: func() (conntrack.Clearer, error) { return noConntrack{}, nil },
+		host:      hostFacts{noRandomFully: map[bus.Family]bool{}},
+		log:       slog.New(slog.NewTextHandler(&logs, &slog.HandlerOptions{Level: slog.LevelDebug})), registry: prometheus.NewRegistry()}
+
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- buildTree(o, d).Run(ctx) }()
+	defer func() {
+		cancel()
+		select {
+		case err := <-done:
+			if err != nil {
+				t.Errorf("Run = %v after cancel", err)
+			}
+		case <-time.After(10 * time.Second):
+			t.Error("the tree did not stop after cancel")
+		}
+		if t.Failed() {
+			t.Log(logs.String())
+		}
+	}()
+	waitWatches(t, watching, "services", "endpointslices")
+
+	svc := &corev1.Service{
+		ObjectMeta: metav1.ObjectMeta{Namespace: "ns", Name: "web"},
+		Spec: corev1.ServiceSpec{Type: corev1.ServiceTypeClusterIP, ClusterIP: "10.96.0.10", ClusterIPs: []string{"10.96.0.10"},
+			Ports: []corev1.ServicePort{{Name: "http", Protocol: corev1.ProtocolTCP, Port: 80}}},
+	}
+	name, proto, port := "http", corev1.ProtocolTCP, int32(8080)
+	slice := &discoveryv1.EndpointSlice{
+		ObjectMeta:  metav1.ObjectMeta{Namespace: "ns", Name: "web-1", Labels: map[string]string{discoveryv1.LabelServiceName: "web"}},
+		AddressType: discoveryv1.AddressTypeIPv4,
+		Ports:       []discoveryv1.EndpointPort{{Name: &name, Protocol: &proto, Port: &port}},
+		Endpoints:   []discoveryv1.Endpoint{{Addresses: []string{"10.244.1.5"}}},
+	}
+	if _, err := client.CoreV1().Services("ns").Create(ctx, svc, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := client.DiscoveryV1().EndpointSlices("ns").Create(ctx, slice, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+
+	has := func(rules []string, parts ...string) bool {
+		return slices.ContainsFunc(rules, func(r string) bool {
+			for _, p := range parts {
+				if !strings.Contains(r, p) {
+					return false
+				}
+			}
+			return true
+		})
+	}
+	deadline := time.Now().Add(20 * time.Second)
+	for {
+		nat := kernel.rules(nf.TableNAT)
+		if has(nat, "-d 10.96.0.10/32", "--dport 80", "-j KUBE-SVC-") && has(nat, "-j DNAT --to-destination 10.244.1.5:8080") {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("no ClusterIP and DNAT rules for ns/web in nat after 20s; nat holds:\n%s", strings.Join(nat, "\n"))
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+}
+
+// waitWatches waits until each of resources is watched.
+func waitWatches(t *testing.T, watching <-chan string, resources ...string) {
+	t.Helper()
+	want := map[string]bool{}
+	for _, r := range resources {
+		want[r] = true
+	}
+	timeout := time.After(20 * time.Second)
+	for len(want) > 0 {
+		select {
+		case r := <-watching:
+			delete(want, r)
+		case <-timeout:
+			t.Fatalf("no watch on %v after 20s", want)
+		}
+	}
+}
+
+// syncBuffer is a bytes.Buffer the stages may log to concurrently.
+type syncBuffer struct {
+	mu sync.Mutex
+	b  bytes.Buffer
+}
+
+func (s *syncBuffer) Write(p []byte) (int, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.Write(p)
+}
+
+func (s *syncBuffer) String() string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.String()
+}
