@@ -16,50 +16,50 @@ const hang = 10 * time.Second
 
 var errBoom = errors.New("boom")
 
-// recorder is a slog.Handler that keeps the supervisors' start/stop/fail events in
-// the order they were logged, as "start a", "stop b", ... The supervisor logs a
-// start before launching the child and a stop after the child returned, on its
-// own goroutine, so this order is the order of its decisions.
+// recorder subscribes to the supervisors' events (Options.OnEvent) and keeps them
+// in order, as "start a", "stop b", ... Each supervisor reports a start before
+// launching the child and a stop after the child returned, on its own goroutine,
+// so this order is the order of its decisions.
 type recorder struct {
 	mu     sync.Mutex
 	events []string
-	delays []time.Duration // restart_in of each failure
-	stacks []string        // stack of each panic
+	all    []Event // every event, in order
 }
 
-var eventKinds = map[string]string{
-	msgStarting:  "start",
-	msgStopped:   "stop",
-	msgFailed:    "fail",
-	msgEscalated: "escalate",
-	msgPanicked:  "panic",
+var eventNames = map[EventKind]string{
+	Started:   "start",
+	Stopped:   "stop",
+	Failed:    "fail",
+	Escalated: "escalate",
+	Panicked:  "panic",
 }
 
-func (r *recorder) Enabled(context.Context, slog.Level) bool { return true }
-func (r *recorder) WithAttrs([]slog.Attr) slog.Handler       { return r }
-func (r *recorder) WithGroup(string) slog.Handler            { return r }
-
-func (r *recorder) Handle(_ context.Context, rec slog.Record) error {
-	attrs := map[string]slog.Value{}
-	rec.Attrs(func(a slog.Attr) bool {
-		attrs[a.Key] = a.Value
-		return true
-	})
+func (r *recorder) record(ev Event) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
-	if kind, ok := eventKinds[rec.Message]; ok {
-		r.events = append(r.events, kind+" "+attrs["stage"].String())
-	}
-	if v, ok := attrs["restart_in"]; ok {
-		r.delays = append(r.delays, v.Duration())
-	}
-	if v, ok := attrs["stack"]; ok {
-		r.stacks = append(r.stacks, v.String())
-	}
-	return nil
+	r.events = append(r.events, eventNames[ev.Kind]+" "+ev.Stage)
+	r.all = append(r.all, ev)
 }
 
-func (r *recorder) logger() *slog.Logger { return slog.New(r) }
+// of returns the events of one kind so far.
+func (r *recorder) of(kind EventKind) []Event {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	var out []Event
+	for _, ev := range r.all {
+		if ev.Kind == kind {
+			out = append(out, ev)
+		}
+	}
+	return out
+}
+
+// opts are fast options that report their events to r.
+func (r *recorder) opts(st Strategy) Options {
+	o := fast(st)
+	o.OnEvent = r.record
+	return o
+}
 
 // take returns the events so far and forgets them.
 func (r *recorder) take() []string {
@@ -100,17 +100,15 @@ func (l *lines) get() []string {
 	return slices.Clone(l.l)
 }
 
-// fast are options with tiny backoffs and a budget that tests do not exhaust by accident.
-func fast(st Strategy, log *slog.Logger) Options {
-	if log == nil {
-		log = slog.New(slog.DiscardHandler)
-	}
+// fast are options with tiny backoffs and a budget that tests do not exhaust by
+// accident. They log nothing: tests watch events (recorder), never log lines.
+func fast(st Strategy) Options {
 	return Options{
 		Strategy:    st,
 		Backoff:     Backoff{Initial: time.Millisecond, Max: 5 * time.Millisecond},
 		MaxRestarts: 1_000_000,
 		Window:      time.Hour,
-		Logger:      log,
+		Logger:      slog.New(slog.DiscardHandler),
 	}
 }
 

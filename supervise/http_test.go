@@ -16,8 +16,8 @@ func serve(h http.Handler, method, path string) *httptest.ResponseRecorder {
 }
 
 func TestHandlerListsStages(t *testing.T) {
-	s := Tree("kpipe", fast(OneForOne, nil),
-		Tree("pipeline", fast(RestForOne, nil), Leaf("render", block)),
+	s := Tree("kpipe", fast(OneForOne),
+		Tree("pipeline", fast(RestForOne), Leaf("render", block)),
 		Leaf("health", block),
 	)
 	runTree(t, s)
@@ -41,7 +41,7 @@ func TestHandlerListsStages(t *testing.T) {
 }
 
 func TestHandlerKill(t *testing.T) {
-	o := fast(OneForOne, nil)
+	o := fast(OneForOne)
 	o.Backoff = Backoff{Initial: time.Hour, Max: 2 * time.Hour} // stays in backoff once killed
 	s := Tree("kpipe", o, Leaf("render", block), Leaf("health", block))
 	runTree(t, s)

@@ -58,6 +58,12 @@ type Options struct {
 	// (including leaves restarted along with a sibling or with their whole subtree),
 	// with the failure that caused it. It runs on the supervising goroutine: keep it quick.
 	OnRestart func(stage string, err error)
+	// OnEvent, if set, is called for every Event about this supervisor's children
+	// (not those of its subtrees, which have their own Options), in the order the
+	// supervisor decided them, after the event is logged. It runs synchronously on
+	// the supervising goroutine, which waits for it: keep it quick and do not call
+	// back into the supervisor.
+	OnEvent func(Event)
 }
 
 func (o Options) withDefaults() Options {
@@ -83,15 +89,6 @@ const (
 	stateRunning  = "running"
 	stateBackoff  = "backoff"
 	stateStopped  = "stopped"
-)
-
-// Log messages; the tests read them to check the order of starts and stops.
-const (
-	msgStarting  = "stage starting"
-	msgStopped   = "stage stopped"
-	msgFailed    = "stage failed"
-	msgPanicked  = "stage panicked"
-	msgEscalated = "restart budget exhausted"
 )
 
 var (
@@ -239,9 +236,10 @@ type runner struct {
 }
 
 type exit struct {
-	c   *child
-	ctx context.Context
-	err error
+	c     *child
+	ctx   context.Context
+	err   error
+	stack string // set if the child panicked
 }
 
 func (r *runner) loop() error {
@@ -288,10 +286,7 @@ func (r *runner) start(c *child, cause error) {
 			c.restarts++
 		}
 	})
-	if restart && c.sub == nil && r.s.opts.OnRestart != nil {
-		r.s.opts.OnRestart(c.Name(), cause)
-	}
-	r.log.Debug(msgStarting, "stage", c.Name(), "restart", restart)
+	r.emit(c, Event{Kind: Started, Restart: restart, Err: cause})
 
 	ready := make(chan struct{})
 	go r.s.runChild(ctx, c, cause, sync.OnceFunc(func() { close(ready) }), r.exits)
@@ -303,12 +298,12 @@ func (r *runner) start(c *child, cause error) {
 // runChild runs c until it returns or panics, and reports its exit.
 func (s *Supervisor) runChild(ctx context.Context, c *child, cause error, ready func(), exits chan<- exit) {
 	var err error
-	defer func() { exits <- exit{c: c, ctx: ctx, err: err} }()
+	var stack string
+	defer func() { exits <- exit{c: c, ctx: ctx, err: err, stack: stack} }()
 	defer ready() // in case a subtree failed before it was ready
 	defer func() {
 		if v := recover(); v != nil {
-			s.opts.Logger.Error(msgPanicked, "supervisor", s.name, "stage", c.Name(),
-				"panic", v, "stack", string(debug.Stack()))
+			stack = string(debug.Stack()) // reported by the supervising goroutine
 			if e, ok := v.(error); ok {
 				err = fmt.Errorf("panic: %w", e)
 			} else {
@@ -340,6 +335,9 @@ func (r *runner) reap(e exit) {
 		c.state = stateStopped
 	})
 	cancel(errStopped) // release the context
+	if e.stack != "" {
+		r.emit(c, Event{Kind: Panicked, Err: e.err, Stack: e.stack})
+	}
 	if c.stopping || r.ctx.Err() != nil {
 		// Asked to stop, or the whole supervisor is stopping: not a failure.
 		return
@@ -376,8 +374,7 @@ func (r *runner) handleFailures() error {
 		now := time.Now()
 		if !r.spend(now) {
 			o := r.s.opts
-			r.log.Error(msgEscalated, "stage", c.Name(), "err", err,
-				"max_restarts", o.MaxRestarts, "window", o.Window)
+			r.emit(c, Event{Kind: Escalated, Err: err})
 			return fmt.Errorf("supervisor %s: %s failed too often (more than %d restarts in %s): %w",
 				r.s.name, c.Name(), o.MaxRestarts, o.Window, err)
 		}
@@ -387,7 +384,7 @@ func (r *runner) handleFailures() error {
 		}
 		c.attempt++
 		delay := b.Delay(c.attempt, nil)
-		r.log.Error(msgFailed, "stage", c.Name(), "err", err, "restart_in", delay, "attempt", c.attempt)
+		r.emit(c, Event{Kind: Failed, Err: err, Delay: delay, Attempt: c.attempt, At: now})
 		if r.s.opts.Strategy == RestForOne {
 			later := r.s.children[i+1:]
 			for k := len(later) - 1; k >= 0; k-- {
@@ -457,7 +454,7 @@ func (r *runner) stop(c *child) {
 		for c.live {
 			r.reap(<-r.exits)
 		}
-		r.log.Debug(msgStopped, "stage", c.Name())
+		r.emit(c, Event{Kind: Stopped})
 	}
 	c.set(func(c *child) { c.state = stateStopped })
 }

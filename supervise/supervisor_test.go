@@ -22,9 +22,9 @@ func TestLeafRunsWithPprofLabel(t *testing.T) {
 		labels <- v
 		return block(ctx)
 	}
-	s := Tree("kpipe", fast(OneForOne, nil),
+	s := Tree("kpipe", fast(OneForOne),
 		Leaf("render", label),
-		Tree("side", fast(OneForOne, nil), Leaf("canary", label)),
+		Tree("side", fast(OneForOne), Leaf("canary", label)),
 	)
 	runTree(t, s)
 	var got []string
@@ -45,7 +45,7 @@ func TestLeafRunsWithPprofLabel(t *testing.T) {
 func TestPanicIsAFailure(t *testing.T) {
 	rec := &recorder{}
 	var runs atomic.Int32
-	s := Tree("kpipe", fast(OneForOne, rec.logger()), Leaf("render", func(ctx context.Context) error {
+	s := Tree("kpipe", rec.opts(OneForOne), Leaf("render", func(ctx context.Context) error {
 		if runs.Add(1) == 1 {
 			panic("kaboom")
 		}
@@ -58,21 +58,25 @@ func TestPanicIsAFailure(t *testing.T) {
 	if !strings.Contains(st.LastError, "kaboom") {
 		t.Errorf("LastError = %q, want the panic value", st.LastError)
 	}
-	rec.mu.Lock()
-	stacks := rec.stacks
-	rec.mu.Unlock()
-	if len(stacks) != 1 || !strings.Contains(stacks[0], "TestPanicIsAFailure") {
-		t.Errorf("logged stacks = %q, want one naming the panicking function", stacks)
+	panics := rec.of(Panicked)
+	if len(panics) != 1 || !strings.Contains(panics[0].Stack, "TestPanicIsAFailure") {
+		t.Errorf("panic events = %+v, want one whose stack names the panicking function", panics)
+	} else if ev := panics[0]; ev.Supervisor != "kpipe" || ev.Stage != "render" || !strings.Contains(ev.Err.Error(), "kaboom") {
+		t.Errorf("panic event = %+v, want kpipe/render with the panic value", ev)
 	}
 	if err := stop(); err != nil {
 		t.Errorf("Run = %v, want nil", err)
+	}
+	want := []string{"start render", "panic render", "fail render", "start render", "stop render"}
+	if got := rec.take(); !slices.Equal(got, want) {
+		t.Errorf("events:\n got %q\nwant %q", got, want)
 	}
 }
 
 func TestPanicWithErrorWraps(t *testing.T) {
 	var runs atomic.Int32
 	var got atomic.Value
-	o := fast(OneForOne, nil)
+	o := fast(OneForOne)
 	o.OnRestart = func(_ string, err error) { got.Store(err) }
 	s := Tree("kpipe", o, Leaf("render", func(ctx context.Context) error {
 		if runs.Add(1) == 1 {
@@ -98,7 +102,7 @@ func TestReturnWhileRunningIsAFailure(t *testing.T) {
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			var runs atomic.Int32
-			s := Tree("kpipe", fast(OneForOne, nil), Leaf("render", func(ctx context.Context) error {
+			s := Tree("kpipe", fast(OneForOne), Leaf("render", func(ctx context.Context) error {
 				if runs.Add(1) == 1 {
 					return tc.err
 				}
@@ -115,7 +119,7 @@ func TestReturnWhileRunningIsAFailure(t *testing.T) {
 
 func TestStopIsNotAFailure(t *testing.T) {
 	rec := &recorder{}
-	s := Tree("kpipe", fast(OneForOne, rec.logger()),
+	s := Tree("kpipe", rec.opts(OneForOne),
 		Leaf("render", block),
 		// Returning the context's error on stop is normal too.
 		Leaf("commit", func(ctx context.Context) error {
@@ -140,9 +144,9 @@ func TestStopIsNotAFailure(t *testing.T) {
 
 func TestKill(t *testing.T) {
 	causes := make(chan error, 1)
-	s := Tree("kpipe", fast(OneForOne, nil),
+	s := Tree("kpipe", fast(OneForOne),
 		Leaf("health", block),
-		Tree("pipeline", fast(RestForOne, nil), Leaf("render", func(ctx context.Context) error {
+		Tree("pipeline", fast(RestForOne), Leaf("render", func(ctx context.Context) error {
 			<-ctx.Done()
 			select {
 			case causes <- context.Cause(ctx):
@@ -181,7 +185,7 @@ func TestKill(t *testing.T) {
 }
 
 func TestKillStageNotRunning(t *testing.T) {
-	o := fast(OneForOne, nil)
+	o := fast(OneForOne)
 	o.Backoff = Backoff{Initial: time.Hour, Max: 2 * time.Hour}
 	s := Tree("kpipe", o, Leaf("render", block))
 	if err := s.Kill("render"); !errors.Is(err, errNotRunning) {
@@ -200,7 +204,7 @@ func TestKillStageNotRunning(t *testing.T) {
 
 func TestOneForOneRestartsOnlyTheFailedChild(t *testing.T) {
 	rec := &recorder{}
-	s := Tree("kpipe", fast(OneForOne, rec.logger()),
+	s := Tree("kpipe", rec.opts(OneForOne),
 		Leaf("a", block), Leaf("b", block), Leaf("c", block))
 	stop, _ := runTree(t, s)
 	eventually(t, "all running", func() bool { return running(s) })
@@ -229,7 +233,7 @@ func TestOneForOneRestartsOnlyTheFailedChild(t *testing.T) {
 func TestRestForOneOrder(t *testing.T) {
 	rec := &recorder{}
 	exits := &lines{}
-	s := Tree("kpipe", fast(RestForOne, rec.logger()),
+	s := Tree("kpipe", rec.opts(RestForOne),
 		blocker("a", exits), blocker("b", exits), blocker("c", exits), blocker("d", exits))
 	stop, _ := runTree(t, s)
 	eventually(t, "all running", func() bool { return running(s) })
@@ -269,7 +273,7 @@ func TestRestForOneOrder(t *testing.T) {
 func TestOnRestartOncePerLeafRestart(t *testing.T) {
 	var mu sync.Mutex
 	got := map[string][]error{}
-	o := fast(RestForOne, nil)
+	o := fast(RestForOne)
 	o.OnRestart = func(stage string, err error) {
 		mu.Lock()
 		got[stage] = append(got[stage], err)
@@ -305,9 +309,9 @@ func TestStopInReverseOrderAndWait(t *testing.T) {
 			return nil
 		})
 	}
-	s := Tree("kpipe", fast(OneForOne, nil),
+	s := Tree("kpipe", fast(OneForOne),
 		slow("a"), slow("b"),
-		Tree("pipeline", fast(RestForOne, nil), slow("c"), slow("d")),
+		Tree("pipeline", fast(RestForOne), slow("c"), slow("d")),
 		slow("e"),
 	)
 	stop, _ := runTree(t, s)
@@ -326,8 +330,8 @@ func TestStopInReverseOrderAndWait(t *testing.T) {
 
 func TestBackoffResetsAfterStableRun(t *testing.T) {
 	rec := &recorder{}
-	o := fast(OneForOne, rec.logger())
-	// No jitter, so the logged delays are exact. A run counts as stable after Max.
+	o := rec.opts(OneForOne)
+	// No jitter, so the reported delays are exact. A run counts as stable after Max.
 	o.Backoff = Backoff{Initial: time.Millisecond, Max: 500 * time.Millisecond, Factor: 2, Jitter: -1}
 	var runs atomic.Int32
 	s := Tree("kpipe", o, Leaf("commit", func(ctx context.Context) error {
@@ -348,9 +352,10 @@ func TestBackoffResetsAfterStableRun(t *testing.T) {
 	runTree(t, s)
 	restarted(t, s, "commit", 4)
 
-	rec.mu.Lock()
-	got := slices.Clone(rec.delays)
-	rec.mu.Unlock()
+	var got []time.Duration
+	for _, ev := range rec.of(Failed) {
+		got = append(got, ev.Delay)
+	}
 	want := []time.Duration{time.Millisecond, 2 * time.Millisecond, 4 * time.Millisecond, time.Millisecond}
 	if !slices.Equal(got, want) {
 		t.Errorf("restart delays = %v, want %v", got, want)
@@ -366,10 +371,10 @@ func TestBudgetEscalatesThroughTwoLevels(t *testing.T) {
 		restarts[stage]++
 		mu.Unlock()
 	}
-	rootOpts := fast(OneForOne, rec.logger())
+	rootOpts := rec.opts(OneForOne)
 	rootOpts.MaxRestarts = 2
 	rootOpts.OnRestart = onRestart
-	subOpts := fast(RestForOne, rec.logger())
+	subOpts := rec.opts(RestForOne)
 	subOpts.MaxRestarts = 1
 	subOpts.OnRestart = onRestart
 	s := Tree("kpipe", rootOpts,
@@ -402,6 +407,12 @@ func TestBudgetEscalatesThroughTwoLevels(t *testing.T) {
 	if n := rec.count("escalate pipeline"); n != 1 {
 		t.Errorf("kpipe escalated %d times, want 1", n)
 	}
+	for _, ev := range rec.of(Escalated) {
+		wantSup := map[string]string{"render": "pipeline", "pipeline": "kpipe"}[ev.Stage]
+		if ev.Supervisor != wantSup || !errors.Is(ev.Err, errBoom) {
+			t.Errorf("escalation %+v: want supervisor %q and an error wrapping boom", ev, wantSup)
+		}
+	}
 	want := map[string]int{"render": 5, "watch": 2, "health": 0}
 	for _, st := range s.Status() {
 		if st.Restarts != want[st.Name] || st.State != stateStopped {
@@ -417,9 +428,9 @@ func TestBudgetEscalatesThroughTwoLevels(t *testing.T) {
 
 func TestParentRestartsEscalatedSubtreePerItsStrategy(t *testing.T) {
 	rec := &recorder{}
-	sub := fast(OneForOne, rec.logger())
+	sub := rec.opts(OneForOne)
 	sub.MaxRestarts = 1
-	s := Tree("kpipe", fast(RestForOne, rec.logger()),
+	s := Tree("kpipe", rec.opts(RestForOne),
 		Tree("pipeline", sub, Leaf("watch", block), Leaf("render", block)),
 		Leaf("after", block),
 	)
@@ -461,9 +472,9 @@ func TestParentRestartsEscalatedSubtreePerItsStrategy(t *testing.T) {
 func TestNoGoroutineLeak(t *testing.T) {
 	base := runtime.NumGoroutine()
 	var restarts atomic.Int32
-	o := fast(OneForOne, nil)
+	o := fast(OneForOne)
 	o.OnRestart = func(string, error) { restarts.Add(1) }
-	sub := fast(RestForOne, nil)
+	sub := fast(RestForOne)
 	sub.OnRestart = o.OnRestart
 	s := Tree("kpipe", o,
 		Leaf("steady", block),
@@ -484,11 +495,11 @@ func TestNoGoroutineLeak(t *testing.T) {
 
 func TestStatusConcurrentWithRestarts(t *testing.T) {
 	var restarts atomic.Int32
-	o := fast(OneForOne, nil)
+	o := fast(OneForOne)
 	o.OnRestart = func(string, error) { restarts.Add(1) }
 	s := Tree("kpipe", o,
 		Leaf("flaky", func(ctx context.Context) error { return errBoom }),
-		Tree("pipeline", fast(RestForOne, nil), Leaf("watch", block), Leaf("render", block)),
+		Tree("pipeline", fast(RestForOne), Leaf("watch", block), Leaf("render", block)),
 	)
 	stop, _ := runTree(t, s)
 
@@ -532,8 +543,8 @@ func TestStatusConcurrentWithRestarts(t *testing.T) {
 }
 
 func TestStatus(t *testing.T) {
-	s := Tree("kpipe", fast(OneForOne, nil),
-		Tree("pipeline", fast(RestForOne, nil), Leaf("watch", block), Leaf("render", block)),
+	s := Tree("kpipe", fast(OneForOne),
+		Tree("pipeline", fast(RestForOne), Leaf("watch", block), Leaf("render", block)),
 		Leaf("health", block),
 	)
 	want := []Status{
@@ -555,7 +566,7 @@ func TestStatus(t *testing.T) {
 }
 
 func TestRunTwiceAtOnce(t *testing.T) {
-	s := Tree("kpipe", fast(OneForOne, nil), Leaf("render", block))
+	s := Tree("kpipe", fast(OneForOne), Leaf("render", block))
 	runTree(t, s)
 	eventually(t, "running", func() bool { return running(s) })
 	if err := s.Run(context.Background()); err == nil {
@@ -623,5 +634,68 @@ func TestNeverEscalateRestartsForever(t *testing.T) {
 	cancel()
 	if err := <-done; err != nil {
 		t.Errorf("Run = %v after cancel; want nil", err)
+	}
+}
+
+// TestEventFields: each supervisor reports its own children's events, with who,
+// why and when: a first start without cause, a failure with its error and backoff,
+// a restart with the failure as its cause.
+func TestEventFields(t *testing.T) {
+	root, sub := &recorder{}, &recorder{}
+	s := Tree("kpipe", root.opts(OneForOne),
+		Tree("pipeline", sub.opts(RestForOne), Leaf("render", block)),
+		Leaf("health", block),
+	)
+	before := time.Now()
+	stop, _ := runTree(t, s)
+	eventually(t, "all running", func() bool { return running(s) })
+	if err := s.Kill("render"); err != nil {
+		t.Fatal(err)
+	}
+	restarted(t, s, "render", 1)
+	if err := stop(); err != nil {
+		t.Fatal(err)
+	}
+
+	if got, want := root.take(), []string{"start pipeline", "start health", "stop health", "stop pipeline"}; !slices.Equal(got, want) {
+		t.Errorf("kpipe's events:\n got %q\nwant %q", got, want)
+	}
+	if got, want := sub.take(), []string{"start render", "fail render", "start render", "stop render"}; !slices.Equal(got, want) {
+		t.Errorf("pipeline's events:\n got %q\nwant %q", got, want)
+	}
+	for _, ev := range root.all {
+		if ev.Supervisor != "kpipe" {
+			t.Errorf("%+v: want supervisor kpipe", ev)
+		}
+	}
+	evs := sub.all // Run has returned: no more events
+	last := before
+	for _, ev := range evs {
+		if ev.Supervisor != "pipeline" {
+			t.Errorf("%+v: want supervisor pipeline", ev)
+		}
+		if ev.At.Before(last) || ev.At.After(time.Now()) {
+			t.Errorf("%+v: At is not the time of the event (previous %v)", ev, last)
+		}
+		last = ev.At
+	}
+	first, failed, again := evs[0], evs[1], evs[2]
+	if first.Restart || first.Err != nil {
+		t.Errorf("first start %+v: want no restart and no cause", first)
+	}
+	if !errors.Is(failed.Err, errKilled) || failed.Attempt != 1 || failed.Delay <= 0 || failed.Delay > fast(OneForOne).Backoff.Max {
+		t.Errorf("failure %+v: want killed, attempt 1, a delay within the backoff", failed)
+	}
+	if !again.Restart || !errors.Is(again.Err, errKilled) || again.At.Before(failed.At.Add(failed.Delay)) {
+		t.Errorf("restart %+v after %+v: want a restart caused by killed, after the delay", again, failed)
+	}
+}
+
+func TestEventKindString(t *testing.T) {
+	for k, want := range map[EventKind]string{Started: "started", Stopped: "stopped", Failed: "failed",
+		Panicked: "panicked", Escalated: "escalated", 0: "unknown"} {
+		if got := k.String(); got != want {
+			t.Errorf("EventKind(%d) = %q, want %q", int(k), got, want)
+		}
 	}
 }

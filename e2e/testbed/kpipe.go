@@ -1,12 +1,10 @@
 package testbed
 
 import (
-	"bufio"
 	"encoding/json"
 	"errors"
 	"fmt"
-	"io"
-	"os"
+	"slices"
 	"strings"
 	"sync"
 	"time"
@@ -29,11 +27,10 @@ type Kpipe struct {
 	// ns is the network namespace kpipe runs in; "" is the node's.
 	ns string
 
-	mu        sync.Mutex
-	proc      *Process
-	extra     []string // the extra flags of the current start
-	starts    int
-	logOffset int64 // where the current process's part of the log starts
+	mu     sync.Mutex
+	proc   *Process
+	extra  []string // the extra flags of the current start
+	starts int
 }
 
 // DefaultKpipeArgs are the flags the test bed runs kpipe with.
@@ -82,8 +79,8 @@ func (tb *Testbed) Kpipe() *Kpipe {
 
 // Start starts kpipe (extra flags after the default ones) and waits until it
 // has synced: /healthz answers 200 (which, as with kube-proxy, it does from
-// the start) and every IP family has committed a full sync after the
-// informer caches synced (see WaitSynced). On failure kpipe is left as it is
+// the start) and GET /sync shows a full sync of every IP family (see
+// WaitSynced). On failure kpipe is left as it is
 // (maybe running) and the error carries the tail of its log.
 func (k *Kpipe) Start(extra ...string) error {
 	k.mu.Lock()
@@ -94,11 +91,6 @@ func (k *Kpipe) Start(extra ...string) error {
 	argv := append([]string{"ip", "netns", "exec", k.netns(), k.Bin}, k.Args...)
 	argv = append(argv, extra...)
 	k.extra = append([]string(nil), extra...)
-	if st, err := os.Stat(k.LogPath); err == nil {
-		k.logOffset = st.Size()
-	} else {
-		k.logOffset = 0
-	}
 	p, err := startProcess("kpipe", k.LogPath, nil, argv...)
 	if err != nil {
 		k.mu.Unlock()
@@ -207,119 +199,110 @@ func (k *Kpipe) Starts() int {
 // LogTail is the end of kpipe's log (all starts, appended).
 func (k *Kpipe) LogTail(n int) string { return tailFile(k.LogPath, n) }
 
-// WaitSynced waits until the running kpipe has synced its rules: its log (JSON,
-// debug level, as DefaultKpipeArgs asks) shows, after "informer caches
-// synced", a full "committed" for every family named in "kpipe starting".
-// /healthz is no help there: like kube-proxy's it answers 200 before the first
-// sync.
+// WaitSynced waits until the running kpipe has synced its rules: its GET
+// /sync (on the metrics listener) answers and every IP family listed there
+// has made a full sync since kpipe started (see syncedFrom). /healthz is no
+// help there: like kube-proxy's it answers 200 before the first sync.
 func (k *Kpipe) WaitSynced(timeout time.Duration) error {
-	k.mu.Lock()
-	p, off := k.proc, k.logOffset
-	k.mu.Unlock()
+	p := k.current()
 	if p == nil {
 		return errors.New("kpipe was never started")
 	}
-	deadline := time.Now().Add(timeout)
-	var state string
-	for {
+	exited := func() error {
 		if p.Exited() {
-			return fmt.Errorf("kpipe exited during start-up: %v\n--- kpipe log (%s):\n%s", p.ExitErr(), k.LogPath, p.Tail(40))
+			return fmt.Errorf("kpipe exited during start-up: %v", p.ExitErr())
 		}
-		ok, st, err := syncedInLog(k.LogPath, off)
-		if err != nil {
-			return err
-		}
-		if ok {
-			return nil
-		}
-		state = st
-		if time.Now().After(deadline) {
-			return fmt.Errorf("kpipe has not synced (%s; the test bed reads this from kpipe's JSON debug log)\n--- kpipe log (%s):\n%s", state, k.LogPath, p.Tail(40))
-		}
-		time.Sleep(50 * time.Millisecond)
+		return nil
 	}
+	if err := waitSynced(k.getSync, exited, timeout, 50*time.Millisecond); err != nil {
+		return fmt.Errorf("%w\n--- kpipe log (%s):\n%s", err, k.LogPath, p.Tail(40))
+	}
+	return nil
 }
 
-// syncedInLog reads kpipe's log from offset (one process's run) and says
-// whether every family it programs has committed a full sync since its caches
-// synced; otherwise, how far it got.
-func syncedInLog(path string, offset int64) (bool, string, error) {
-	f, err := os.Open(path)
+// SyncURL is kpipe's sync-state endpoint, on its metrics listener.
+const SyncURL = MetricsURL + "/sync"
+
+// SyncState is kpipe's answer to GET /sync: one entry per IP family it runs,
+// keyed by family name ("IPv4", "IPv6").
+type SyncState map[string]FamilySync
+
+// FamilySync is one IP family's sync state.
+type FamilySync struct {
+	Generation int64     `json:"generation"`
+	LastSync   time.Time `json:"lastSync"`
+	// LastFullSync is zero (absent in the JSON) until the family's first full
+	// sync since kpipe started.
+	LastFullSync time.Time `json:"lastFullSync"`
+}
+
+// Sync reads the running kpipe's GET /sync.
+func (k *Kpipe) Sync() (SyncState, error) {
+	code, body, err := k.getSync()
 	if err != nil {
-		return false, "", fmt.Errorf("read kpipe log: %w", err)
+		return nil, err
 	}
-	defer f.Close()
-	if _, err := f.Seek(offset, io.SeekStart); err != nil {
-		return false, "", fmt.Errorf("read kpipe log: %w", err)
+	return parseSync(code, body)
+}
+
+func (k *Kpipe) getSync() (int, []byte, error) { return k.tb.HTTPGet(k.netns(), SyncURL) }
+
+// parseSync reads a GET /sync answer.
+func parseSync(code int, body []byte) (SyncState, error) {
+	if code != 200 {
+		return nil, fmt.Errorf("GET /sync: HTTP %d: %s", code, strings.TrimSpace(string(body)))
 	}
-	var families []int
-	cachesSynced := false
-	committed := map[int]bool{}
-	sc := bufio.NewScanner(f)
-	sc.Buffer(make([]byte, 1<<20), 1<<20)
-	for sc.Scan() {
-		line := sc.Bytes()
-		if len(line) == 0 || line[0] != '{' {
-			continue
-		}
-		var rec struct {
-			Msg      string `json:"msg"`
-			Families string `json:"families"`
-			Family   any    `json:"family"`
-			Full     bool   `json:"full"`
-		}
-		if json.Unmarshal(line, &rec) != nil {
-			continue
-		}
-		switch rec.Msg {
-		case "kpipe starting":
-			families = nil
-			for _, name := range strings.Fields(strings.Trim(rec.Families, "[]")) {
-				switch name {
-				case "IPv4":
-					families = append(families, 4)
-				case "IPv6":
-					families = append(families, 6)
-				}
-			}
-		case "informer caches synced":
-			cachesSynced = true
-		case "committed":
-			if cachesSynced && rec.Full {
-				committed[familyNumber(rec.Family)] = true
-			}
-		}
+	var st SyncState
+	if err := json.Unmarshal(body, &st); err != nil {
+		return nil, fmt.Errorf("GET /sync: unreadable answer %q: %w", body, err)
 	}
-	if len(families) == 0 {
-		return false, "not started yet", nil
+	return st, nil
+}
+
+// syncedFrom decides from a GET /sync answer whether kpipe has synced: it
+// answered, and every family it lists has made a full sync since it started
+// (kpipe's first commit is always full, and it commits only after its
+// informer caches synced and the state was replayed). Otherwise it says what
+// is missing.
+func syncedFrom(code int, body []byte, err error) (bool, string) {
+	if err != nil {
+		return false, err.Error()
 	}
-	if !cachesSynced {
-		return false, "informer caches not synced yet", nil
+	st, err := parseSync(code, body)
+	if err != nil {
+		return false, err.Error()
+	}
+	if len(st) == 0 {
+		return false, "GET /sync lists no IP family"
 	}
 	var missing []string
-	for _, f := range families {
-		if !committed[f] {
-			missing = append(missing, fmt.Sprintf("IPv%d", f))
+	for family, f := range st {
+		if f.LastFullSync.IsZero() {
+			missing = append(missing, family)
 		}
 	}
 	if len(missing) > 0 {
-		return false, fmt.Sprintf("no full commit since the caches synced for %v", missing), nil
+		slices.Sort(missing)
+		return false, fmt.Sprintf("no full sync yet for %v", missing)
 	}
-	return true, "", nil
+	return true, ""
 }
 
-// familyNumber reads a log's family field: 4 or 6, or "IPv4"/"IPv6".
-func familyNumber(v any) int {
-	switch f := v.(type) {
-	case float64:
-		return int(f)
-	case string:
-		switch f {
-		case "IPv4", "4":
-			return 4
-		case "IPv6", "6":
-			return 6
+// waitSynced polls get (a GET /sync) every interval until syncedFrom says
+// kpipe has synced, exited returns an error, or timeout passes.
+func waitSynced(get func() (int, []byte, error), exited func() error, timeout, interval time.Duration) error {
+	deadline := time.Now().Add(timeout)
+	for {
+		if err := exited(); err != nil {
+			return err
 		}
+		ok, state := syncedFrom(get())
+		if ok {
+			return nil
+		}
+		if time.Now().After(deadline) {
+			return fmt.Errorf("kpipe has not synced in %v (%s)", timeout, state)
+		}
+		time.Sleep(interval)
 	}
-	return 0
 }
