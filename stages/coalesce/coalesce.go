@@ -7,10 +7,12 @@ import (
 	"context"
 	"log/slog"
 	"maps"
+	"reflect"
 	"time"
 
 	"github.com/kpipe/kpipe/bus"
 	"github.com/kpipe/kpipe/metrics"
+	"github.com/kpipe/kpipe/supervise"
 )
 
 // Config sets the sync timing (kube-proxy's --iptables-min-sync-period,
@@ -55,6 +57,9 @@ type Stage struct {
 	log      *slog.Logger
 	now      func() time.Time
 	started  time.Time // trigger times before this are from before kpipe watched
+	// retry spaces the retries of a family whose commits fail: from the min sync
+	// period (at least 100 ms) doubling up to the sync period.
+	retry supervise.Backoff
 	// gen numbers snapshots and seq changes. Both outlive a restart of Run: the
 	// mailboxes keep values from before it, and a stale Result must never be
 	// taken for the answer to a new snapshot.
@@ -70,7 +75,8 @@ func NewStage(p Params) *Stage {
 	if cfg.FullSyncPeriod == 0 {
 		cfg.FullSyncPeriod = time.Hour
 	}
-	return &Stage{cfg: cfg, in: p.In, replay: p.Replay, families: p.Families, status: p.Env.Status, metrics: p.Env.Metrics,
+	retry := supervise.Backoff{Initial: max(cfg.MinSyncPeriod, 100*time.Millisecond), Max: max(cfg.SyncPeriod, 100*time.Millisecond), Factor: 2, Jitter: -1}
+	return &Stage{cfg: cfg, retry: retry, in: p.In, replay: p.Replay, families: p.Families, status: p.Env.Status, metrics: p.Env.Metrics,
 		log: p.Env.Log, now: time.Now}
 }
 
@@ -142,13 +148,20 @@ func (s *Stage) Run(ctx context.Context) error {
 	timer := time.NewTimer(time.Hour)
 	defer timer.Stop()
 
-	// Up to two families: select on fixed channels, nil for an absent family.
-	resyncC, resendC, resultC := [2]<-chan struct{}{}, [2]<-chan struct{}{}, [2]<-chan struct{}{}
-	for i, f := range fams {
-		resyncC[i], resultC[i] = f.Resync.C(), f.Results.Ready()
-		if f.Resend != nil {
-			resendC[i] = f.Resend.C()
-		}
+	// One select over the fixed channels and three per family (any number of
+	// families), built once.
+	const ctxCase, inCase, periodicCase, timerCase, familyCases = 0, 1, 2, 3, 4
+	cases := []reflect.SelectCase{
+		{Dir: reflect.SelectRecv, Chan: reflect.ValueOf(ctx.Done())},
+		{Dir: reflect.SelectRecv, Chan: reflect.ValueOf(s.in)},
+		{Dir: reflect.SelectRecv, Chan: reflect.ValueOf(periodic.C)},
+		{Dir: reflect.SelectRecv, Chan: reflect.ValueOf(timer.C)},
+	}
+	for _, f := range fams {
+		cases = append(cases,
+			reflect.SelectCase{Dir: reflect.SelectRecv, Chan: reflect.ValueOf(f.Resync.C())},
+			reflect.SelectCase{Dir: reflect.SelectRecv, Chan: reflect.ValueOf(f.Resend.C())},
+			reflect.SelectCase{Dir: reflect.SelectRecv, Chan: reflect.ValueOf(f.Results.Ready())})
 	}
 
 	for {
@@ -159,13 +172,14 @@ func (s *Stage) Run(ctx context.Context) error {
 		} else {
 			resetTimer(timer, time.Hour)
 		}
-		select {
-		case <-ctx.Done():
+		chosen, v, _ := reflect.Select(cases)
+		switch chosen {
+		case ctxCase:
 			return nil
-		case c := <-s.in:
+		case inCase:
 			s.seq++
-			s.apply(&st, &synced, c, s.seq, fams)
-		case <-periodic.C:
+			s.apply(&st, &synced, v.Interface().(bus.Change), s.seq, fams)
+		case periodicCase:
 			for _, f := range fams {
 				if s.now().Sub(f.lastFull) >= s.cfg.FullSyncPeriod {
 					f.wantFull(s.gen + 1)
@@ -173,25 +187,23 @@ func (s *Stage) Run(ctx context.Context) error {
 					f.wantRefresh(s.gen + 1)
 				}
 			}
-		case <-resyncC[0]:
-			s.resync(fams[0])
-		case <-resyncC[1]:
-			s.resync(fams[1])
-		case <-resendC[0]:
-			s.resend(fams[0])
-		case <-resendC[1]:
-			s.resend(fams[1])
-		case <-resultC[0]:
-			s.result(fams[0])
-		case <-resultC[1]:
-			s.result(fams[1])
-		case <-timer.C:
+		case timerCase:
 			now := s.now()
 			for _, f := range fams {
 				if synced && f.due(now) && f.limiter.take(now) {
 					s.gen++
 					s.send(f, &st, s.gen, s.seq, now)
 				}
+			}
+		default:
+			f := fams[(chosen-familyCases)/3]
+			switch (chosen - familyCases) % 3 {
+			case 0:
+				s.resync(f)
+			case 1:
+				s.resend(f)
+			case 2:
+				s.result(f)
 			}
 		}
 	}
@@ -346,7 +358,7 @@ func (s *Stage) result(f *familyState) {
 	now := s.now()
 	if !res.OK {
 		f.failures++
-		backoff := min(max(s.cfg.MinSyncPeriod, 100*time.Millisecond)<<min(f.failures-1, 10), s.cfg.SyncPeriod)
+		backoff := s.retry.Delay(f.failures, nil)
 		f.retryAt = now.Add(backoff)
 		f.wantFull(s.gen + 1)
 		s.log.Warn("commit failed; retrying with a full sync", "family", f.Family.Family, "in", backoff, "failures", f.failures, "err", res.Err)

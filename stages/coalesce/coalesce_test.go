@@ -4,6 +4,7 @@ import (
 	"context"
 	"net/netip"
 	"testing"
+	"testing/synctest"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -279,98 +280,110 @@ func TestResyncSendsFullSnapshotWhileOneIsInFlight(t *testing.T) {
 }
 
 func TestFailedCommitRetriesFullAfterBackoff(t *testing.T) {
-	const period = 300 * time.Millisecond
-	h := start(t, coalesce.Config{MinSyncPeriod: period, Burst: 2})
-	h.send(replayOf(svc(keyA, "10.96.0.1")))
-	s1 := h.take(bus.IPv4)
-	h.answer(bus.IPv4, s1, true)
-	h.send(bus.Change{Kind: bus.ServiceChanged, Key: keyB, Service: svc(keyB, "10.96.0.2")})
-	s2 := h.take(bus.IPv4)
-	if s2.Full {
-		t.Fatal("second snapshot is Full; the test needs a partial one")
-	}
+	// On the bubble's clock (testing/synctest): timing without waiting.
+	synctest.Test(t, func(t *testing.T) {
+		const period = 300 * time.Millisecond
+		h := start(t, coalesce.Config{MinSyncPeriod: period, Burst: 2})
+		h.send(replayOf(svc(keyA, "10.96.0.1")))
+		s1 := h.take(bus.IPv4)
+		h.answer(bus.IPv4, s1, true)
+		h.send(bus.Change{Kind: bus.ServiceChanged, Key: keyB, Service: svc(keyB, "10.96.0.2")})
+		s2 := h.take(bus.IPv4)
+		if s2.Full {
+			t.Fatal("second snapshot is Full; the test needs a partial one")
+		}
 
-	// Let the rate limiter refill, so that only the backoff can hold the retry back.
-	time.Sleep(2 * period)
-	failedAt := time.Now()
-	h.answer(bus.IPv4, s2, false)
-	s3 := h.take(bus.IPv4)
-	if waited := time.Since(failedAt); waited < period*3/4 {
-		t.Errorf("retry came %v after the failure; want a backoff of about %v", waited, period)
-	}
-	if !s3.Full {
-		t.Error("retry after a failed commit is not Full")
-	}
-	if !s3.Changed[keyB] {
-		t.Errorf("retry Changed = %v; want the uncommitted %v still there", s3.Changed, keyB)
-	}
-	if s3.State.Services[keyB] == nil {
-		t.Error("retry lost the uncommitted service")
-	}
+		// Let the rate limiter refill, so that only the backoff can hold the retry back.
+		time.Sleep(2 * period)
+		failedAt := time.Now()
+		h.answer(bus.IPv4, s2, false)
+		s3 := h.take(bus.IPv4)
+		if waited := time.Since(failedAt); waited < period*3/4 {
+			t.Errorf("retry came %v after the failure; want a backoff of about %v", waited, period)
+		}
+		if !s3.Full {
+			t.Error("retry after a failed commit is not Full")
+		}
+		if !s3.Changed[keyB] {
+			t.Errorf("retry Changed = %v; want the uncommitted %v still there", s3.Changed, keyB)
+		}
+		if s3.State.Services[keyB] == nil {
+			t.Error("retry lost the uncommitted service")
+		}
+	})
 }
 
 func TestFailedCommitIsNotRetriedImmediately(t *testing.T) {
-	// MinSyncPeriod 0: the rate limiter never holds anything back; the backoff does.
-	h := start(t, coalesce.Config{})
-	h.send(replayOf())
-	s1 := h.take(bus.IPv4)
-	failedAt := time.Now()
-	h.answer(bus.IPv4, s1, false)
-	s2 := h.take(bus.IPv4)
-	if waited := time.Since(failedAt); waited < 50*time.Millisecond {
-		t.Errorf("retry came %v after the failure; want a backoff", waited)
-	}
-	if !s2.Full {
-		t.Error("retry is not Full")
-	}
-	// A second failure backs off longer than the first.
-	failedAt = time.Now()
-	h.answer(bus.IPv4, s2, false)
-	s3 := h.take(bus.IPv4)
-	if waited := time.Since(failedAt); waited < 150*time.Millisecond {
-		t.Errorf("second retry came %v after the second failure; want the backoff to grow", waited)
-	}
-	// Success resets: the next change goes out at once (no backoff left over).
-	h.answer(bus.IPv4, s3, true)
-	h.send(bus.Change{Kind: bus.ServiceChanged, Key: keyA, Service: svc(keyA, "10.96.0.1")})
-	s4 := h.take(bus.IPv4)
-	if s4.Full {
-		t.Error("after a success the next snapshot is full; want partial")
-	}
+	// On the bubble's clock (testing/synctest): timing without waiting.
+	synctest.Test(t, func(t *testing.T) {
+		// MinSyncPeriod 0: the rate limiter never holds anything back; the backoff does.
+		h := start(t, coalesce.Config{})
+		h.send(replayOf())
+		s1 := h.take(bus.IPv4)
+		failedAt := time.Now()
+		h.answer(bus.IPv4, s1, false)
+		s2 := h.take(bus.IPv4)
+		if waited := time.Since(failedAt); waited < 50*time.Millisecond {
+			t.Errorf("retry came %v after the failure; want a backoff", waited)
+		}
+		if !s2.Full {
+			t.Error("retry is not Full")
+		}
+		// A second failure backs off longer than the first.
+		failedAt = time.Now()
+		h.answer(bus.IPv4, s2, false)
+		s3 := h.take(bus.IPv4)
+		if waited := time.Since(failedAt); waited < 150*time.Millisecond {
+			t.Errorf("second retry came %v after the second failure; want the backoff to grow", waited)
+		}
+		// Success resets: the next change goes out at once (no backoff left over).
+		h.answer(bus.IPv4, s3, true)
+		h.send(bus.Change{Kind: bus.ServiceChanged, Key: keyA, Service: svc(keyA, "10.96.0.1")})
+		s4 := h.take(bus.IPv4)
+		if s4.Full {
+			t.Error("after a success the next snapshot is full; want partial")
+		}
+	})
 }
 
 func TestBurstOfTwoThenMinSyncPeriod(t *testing.T) {
-	// A period far beyond the test's length: only the burst can let snapshots out.
-	h := start(t, coalesce.Config{MinSyncPeriod: time.Hour, SyncPeriod: 2 * time.Hour, Burst: 2})
-	h.send(replayOf())
-	s1 := h.take(bus.IPv4)
-	h.answer(bus.IPv4, s1, true)
-	h.send(bus.Change{Kind: bus.ServiceChanged, Key: keyA, Service: svc(keyA, "10.96.0.1")})
-	s2 := h.take(bus.IPv4)
-	h.answer(bus.IPv4, s2, true)
-	h.send(bus.Change{Kind: bus.ServiceChanged, Key: keyB, Service: svc(keyB, "10.96.0.2")})
-	h.none(bus.IPv4, "a third sync within the min-sync-period")
+	// On the bubble's clock (testing/synctest): timing without waiting.
+	synctest.Test(t, func(t *testing.T) {
+		// A period far beyond the test's length: only the burst can let snapshots out.
+		h := start(t, coalesce.Config{MinSyncPeriod: time.Hour, SyncPeriod: 2 * time.Hour, Burst: 2})
+		h.send(replayOf())
+		s1 := h.take(bus.IPv4)
+		h.answer(bus.IPv4, s1, true)
+		h.send(bus.Change{Kind: bus.ServiceChanged, Key: keyA, Service: svc(keyA, "10.96.0.1")})
+		s2 := h.take(bus.IPv4)
+		h.answer(bus.IPv4, s2, true)
+		h.send(bus.Change{Kind: bus.ServiceChanged, Key: keyB, Service: svc(keyB, "10.96.0.2")})
+		h.none(bus.IPv4, "a third sync within the min-sync-period")
+	})
 }
 
 func TestMinSyncPeriodSpacesTheThirdSnapshot(t *testing.T) {
-	const period = 200 * time.Millisecond
-	h := start(t, coalesce.Config{MinSyncPeriod: period, Burst: 2})
-	begin := time.Now()
-	h.send(replayOf())
-	s1 := h.take(bus.IPv4)
-	h.answer(bus.IPv4, s1, true)
-	h.send(bus.Change{Kind: bus.ServiceChanged, Key: keyA, Service: svc(keyA, "10.96.0.1")})
-	s2 := h.take(bus.IPv4)
-	h.answer(bus.IPv4, s2, true)
-	h.send(bus.Change{Kind: bus.ServiceChanged, Key: keyB, Service: svc(keyB, "10.96.0.2")})
-	h.send(bus.Change{Kind: bus.ServiceChanged, Key: keyC, Service: svc(keyC, "10.96.0.10")})
-	s3 := h.take(bus.IPv4)
-	if waited := time.Since(begin); waited < period*3/4 {
-		t.Errorf("third snapshot came %v after the first was due; want it held back about %v", waited, period)
-	}
-	if !s3.Changed[keyB] || !s3.Changed[keyC] || s3.Changed[keyA] {
-		t.Errorf("third snapshot Changed = %v; want b and dns (a was committed)", s3.Changed)
-	}
+	// On the bubble's clock (testing/synctest): timing without waiting.
+	synctest.Test(t, func(t *testing.T) {
+		const period = 200 * time.Millisecond
+		h := start(t, coalesce.Config{MinSyncPeriod: period, Burst: 2})
+		begin := time.Now()
+		h.send(replayOf())
+		s1 := h.take(bus.IPv4)
+		h.answer(bus.IPv4, s1, true)
+		h.send(bus.Change{Kind: bus.ServiceChanged, Key: keyA, Service: svc(keyA, "10.96.0.1")})
+		s2 := h.take(bus.IPv4)
+		h.answer(bus.IPv4, s2, true)
+		h.send(bus.Change{Kind: bus.ServiceChanged, Key: keyB, Service: svc(keyB, "10.96.0.2")})
+		h.send(bus.Change{Kind: bus.ServiceChanged, Key: keyC, Service: svc(keyC, "10.96.0.10")})
+		s3 := h.take(bus.IPv4)
+		if waited := time.Since(begin); waited < period*3/4 {
+			t.Errorf("third snapshot came %v after the first was due; want it held back about %v", waited, period)
+		}
+		if !s3.Changed[keyB] || !s3.Changed[keyC] || s3.Changed[keyA] {
+			t.Errorf("third snapshot Changed = %v; want b and dns (a was committed)", s3.Changed)
+		}
+	})
 }
 
 func TestSnapshotsAreImmutable(t *testing.T) {
@@ -541,27 +554,30 @@ func TestFamiliesAreIndependent(t *testing.T) {
 }
 
 func TestPeriodicFullSync(t *testing.T) {
-	h := start(t, coalesce.Config{SyncPeriod: 50 * time.Millisecond, FullSyncPeriod: 300 * time.Millisecond})
-	h.send(replayOf())
-	s1 := h.take(bus.IPv4)
-	h.answer(bus.IPv4, s1, true)
-	// Nothing changes, yet every sync period brings a periodic (refresh) snapshot,
-	// and after FullSyncPeriod a full one.
-	refreshes := 0
-	for {
-		s := h.take(bus.IPv4)
-		h.answer(bus.IPv4, s, true)
-		if s.Full {
-			break
+	// On the bubble's clock (testing/synctest): timing without waiting.
+	synctest.Test(t, func(t *testing.T) {
+		h := start(t, coalesce.Config{SyncPeriod: 50 * time.Millisecond, FullSyncPeriod: 300 * time.Millisecond})
+		h.send(replayOf())
+		s1 := h.take(bus.IPv4)
+		h.answer(bus.IPv4, s1, true)
+		// Nothing changes, yet every sync period brings a periodic (refresh) snapshot,
+		// and after FullSyncPeriod a full one.
+		refreshes := 0
+		for {
+			s := h.take(bus.IPv4)
+			h.answer(bus.IPv4, s, true)
+			if s.Full {
+				break
+			}
+			if !s.Refresh {
+				t.Fatalf("snapshot %d with nothing changed is neither periodic nor full", s.Generation)
+			}
+			refreshes++
 		}
-		if !s.Refresh {
-			t.Fatalf("snapshot %d with nothing changed is neither periodic nor full", s.Generation)
+		if refreshes == 0 {
+			t.Error("no periodic snapshot before the full one")
 		}
-		refreshes++
-	}
-	if refreshes == 0 {
-		t.Error("no periodic snapshot before the full one")
-	}
+	})
 }
 
 // TestNetworkProgrammingLatency: a slice's last-change-trigger-time is counted in
@@ -630,17 +646,20 @@ func TestResendKeepsPendingFullSync(t *testing.T) {
 
 // TestResendKeepsPendingRefresh: the same for a periodic sync.
 func TestResendKeepsPendingRefresh(t *testing.T) {
-	h := start(t, coalesce.Config{SyncPeriod: 100 * time.Millisecond})
-	h.send(replayOf(svc(keyA, "10.96.0.1")))
-	h.answer(bus.IPv4, h.take(bus.IPv4), true)
-	lost := h.take(bus.IPv4)
-	if !lost.Refresh {
-		t.Fatal("snapshot with nothing changed is not periodic")
-	}
-	h.fams[bus.IPv4].Resend.Raise()
-	if again := h.take(bus.IPv4); !again.Refresh {
-		t.Error("resent snapshot lost the periodic sync")
-	}
+	// On the bubble's clock (testing/synctest): timing without waiting.
+	synctest.Test(t, func(t *testing.T) {
+		h := start(t, coalesce.Config{SyncPeriod: 100 * time.Millisecond})
+		h.send(replayOf(svc(keyA, "10.96.0.1")))
+		h.answer(bus.IPv4, h.take(bus.IPv4), true)
+		lost := h.take(bus.IPv4)
+		if !lost.Refresh {
+			t.Fatal("snapshot with nothing changed is not periodic")
+		}
+		h.fams[bus.IPv4].Resend.Raise()
+		if again := h.take(bus.IPv4); !again.Refresh {
+			t.Error("resent snapshot lost the periodic sync")
+		}
+	})
 }
 
 // TestResendAfterRestartSendsTheState: when a restarted render or commit lost the
@@ -700,4 +719,20 @@ func TestGenerationsOutliveARestart(t *testing.T) {
 	if s, err := fam.Out.Take(ctx); err == nil {
 		t.Fatalf("snapshot %d sent while %d is in flight (a stale result was taken for its answer)", s.Generation, second.Generation)
 	}
+}
+
+// TestAnyNumberOfFamilies: coalesce serves every family it is given, each on its
+// own (it used to select on arrays of two).
+func TestAnyNumberOfFamilies(t *testing.T) {
+	third := bus.Family(5)
+	h := start(t, coalesce.Config{}, bus.IPv4, bus.IPv6, third)
+	h.send(replayOf(svc(keyA, "10.96.0.1")))
+	for _, f := range []bus.Family{bus.IPv4, bus.IPv6, third} {
+		h.answer(f, h.take(f), true)
+	}
+	h.fams[third].Resync.Raise()
+	if s := h.take(third); !s.Full {
+		t.Error("the third family's resync brought no full snapshot")
+	}
+	h.none(bus.IPv4, "IPv4 after the third family's resync")
 }
