@@ -233,3 +233,71 @@ func TestWriteConfigToRoundTrips(t *testing.T) {
 	checkOptions(t, o, map[string]any{"HostnameOverride": "n1", "MasqueradeAll": true, "ClusterCIDR": "10.244.0.0/16",
 		"Kubeconfig": "/var/lib/kube-proxy/kubeconfig.conf", "SyncPeriod": 30 * time.Second, "MasqueradeBit": 14})
 }
+
+// kube-proxy's command line, as kube-proxy's own manifests and harnesses pass it.
+func TestKubeProxyCommandLineIsAccepted(t *testing.T) {
+	o, code, stderr := resolved(t, "--v=2", "--conntrack-max-per-core=0", "--conntrack-min=0", "--conntrack-tcp-timeout-established=1h",
+		"--conntrack-tcp-timeout-close-wait=1h", "--conntrack-udp-timeout=30s", "--conntrack-udp-timeout-stream=2m", "--oom-score-adj=-999",
+		"--ipvs-scheduler=rr", "--ipvs-sync-period=5s", "--ipvs-exclude-cidrs=10.0.0.0/8", "--ipvs-strict-arp",
+		"--kubeconfig=/kc", "--hostname_override=node-a", "--bind-address=0.0.0.0", "--kube-api-qps=20", "--kube-api-burst=40",
+		"--kube-api-content-type=application/json", "--profiling", "--feature-gates=AllAlpha=false,SomeGate=true", "--master=https://10.0.0.1:6443")
+	if code != 0 {
+		t.Fatalf("exit %d: %s", code, stderr)
+	}
+	checkOptions(t, o, map[string]any{"HostnameOverride": "node-a", "Kubeconfig": "/kc", "KubeAPIQPS": float32(20), "KubeAPIBurst": 40,
+		"KubeAPIContentType": "application/json", "EnableDebugHandlers": true, "LogLevel": "info", "Master": "https://10.0.0.1:6443",
+		"FeatureGates": map[string]bool{"AllAlpha": false, "SomeGate": true}})
+	wantIgnored := []string{"conntrack-max-per-core", "conntrack-min", "conntrack-tcp-timeout-close-wait", "conntrack-tcp-timeout-established",
+		"conntrack-udp-timeout", "conntrack-udp-timeout-stream", "ipvs-exclude-cidrs", "ipvs-scheduler", "ipvs-strict-arp", "ipvs-sync-period", "oom-score-adj"}
+	if !reflect.DeepEqual(o.ignoredGiven, wantIgnored) {
+		t.Errorf("ignored flags %q; want %q", o.ignoredGiven, wantIgnored)
+	}
+}
+
+func TestVerbosityMapsOntoLogLevel(t *testing.T) {
+	for _, tt := range []struct {
+		args []string
+		want string
+	}{
+		{[]string{"--v=0"}, "info"}, {[]string{"-v", "2"}, "info"}, {[]string{"--v=3"}, "info"},
+		{[]string{"--v=4"}, "debug"}, {[]string{"-v=6"}, "debug"},
+		{[]string{"--v=6", "--log-level=warn"}, "warn"}, // kpipe's own flag wins
+	} {
+		o, code, stderr := resolved(t, tt.args...)
+		if code != 0 {
+			t.Fatalf("%q: exit %d: %s", tt.args, code, stderr)
+		}
+		if o.LogLevel != tt.want {
+			t.Errorf("%q: log level %q; want %q", tt.args, o.LogLevel, tt.want)
+		}
+	}
+}
+
+func TestKubeProxyCommandLineErrors(t *testing.T) {
+	for _, tt := range []struct {
+		args    []string
+		mention string
+	}{
+		{[]string{"--not-a-kube-proxy-flag"}, "not-a-kube-proxy-flag"},
+		{[]string{"--conntrack-min=lots"}, "conntrack-min"}, // ignored, but still parsed
+		{[]string{"--v=high"}, "v"},
+		{[]string{"--feature-gates=Gate=maybe"}, "feature-gates"},
+		{[]string{"--cleanup"}, "cleanup"},
+		{[]string{"--init-only"}, "init-only"},
+	} {
+		_, code, stderr := resolved(t, tt.args...)
+		if code != 2 || !strings.Contains(stderr, tt.mention) {
+			t.Errorf("%q: exit %d, %q; want 2 naming %q", tt.args, code, stderr, tt.mention)
+		}
+	}
+}
+
+func TestVersionPrintsAndExits(t *testing.T) {
+	ran := false
+	code, _ := captureStderr(t, func() int {
+		return runWith([]string{"--version"}, func(context.Context, *Options) error { ran = true; return nil })
+	})
+	if code != 0 || ran {
+		t.Errorf("--version: exit %d, ran the proxy: %v; want exit 0 without running", code, ran)
+	}
+}
