@@ -29,7 +29,7 @@ func (o *Options) addKubeProxyFlags(fs *pflag.FlagSet) {
 	fs.StringVar(&o.ConfigFile, "config", o.ConfigFile, "A kube-proxy configuration file (KubeProxyConfiguration, kubeproxy.config.k8s.io/v1alpha1); flags given on the command line override it.")
 	fs.StringVar(&o.WriteConfigTo, "write-config-to", o.WriteConfigTo, "Write the effective configuration to this file and exit.")
 	fs.StringVar(&o.Master, "master", o.Master, "The address of the apiserver (overrides the kubeconfig's).")
-	fs.StringVar(&o.BindAddress, "bind-address", o.BindAddress, "Overrides the IP family of the default health and metrics addresses (0.0.0.0 or ::).")
+	fs.StringVar(&o.BindAddress, "bind-address", o.BindAddress, "kube-proxy's bind address: accepted; in a --config file an IPv6 one makes the default health and metrics addresses IPv6.")
 	fs.Float32Var(&o.KubeAPIQPS, "kube-api-qps", o.KubeAPIQPS, "Queries per second to the apiserver.")
 	fs.IntVar(&o.KubeAPIBurst, "kube-api-burst", o.KubeAPIBurst, "Burst of queries to the apiserver.")
 	fs.StringVar(&o.KubeAPIContentType, "kube-api-content-type", o.KubeAPIContentType, "Content type of requests to the apiserver.")
