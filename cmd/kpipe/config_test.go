@@ -301,3 +301,29 @@ func TestVersionPrintsAndExits(t *testing.T) {
 		t.Errorf("--version: exit %d, ran the proxy: %v; want exit 0 without running", code, ran)
 	}
 }
+
+// clientConnection's qps, burst, contentType and kubeconfig (and --master) reach
+// the apiserver client.
+func TestClientConnectionReachesTheClient(t *testing.T) {
+	kubeconfig := writeFile(t, `apiVersion: v1
+kind: Config
+clusters: [{name: c, cluster: {server: "https://192.0.2.1:6443"}}]
+users: [{name: u, user: {token: t}}]
+contexts: [{name: x, context: {cluster: c, user: u}}]
+current-context: x
+`)
+	cfg := strings.NewReplacer("kubeconfig: /var/lib/kube-proxy/kubeconfig.conf", "kubeconfig: "+kubeconfig,
+		"qps: 0", "qps: 50", "burst: 0", "burst: 100").Replace(readKubeadmConfig(t))
+	o, code, stderr := resolved(t, "--config="+writeFile(t, cfg), "--kube-api-content-type=application/json", "--master=https://192.0.2.2:6443")
+	if code != 0 {
+		t.Fatalf("exit %d: %s", code, stderr)
+	}
+	rc, err := clientConfig(o)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if rc.QPS != 50 || rc.Burst != 100 || rc.ContentType != "application/json" || rc.Host != "https://192.0.2.2:6443" || rc.BearerToken != "t" {
+		t.Errorf("rest config QPS %v burst %d content type %q host %q token %q; want 50, 100, application/json, https://192.0.2.2:6443, t",
+			rc.QPS, rc.Burst, rc.ContentType, rc.Host, rc.BearerToken)
+	}
+}

@@ -60,15 +60,26 @@ func realDeps(o *Options, log *slog.Logger) (deps, error) {
 // newClient connects as kube-proxy does: the kubeconfig (or in-cluster settings),
 // --master over its server, and the client connection's rate and content type.
 func newClient(o *Options) (kubernetes.Interface, error) {
+	cfg, err := clientConfig(o)
+	if err != nil {
+		return nil, err
+	}
+	return kubernetes.NewForConfig(cfg)
+}
+
+func clientConfig(o *Options) (*rest.Config, error) {
 	cfg, err := restConfig(o.Kubeconfig, o.Master)
 	if err != nil {
 		return nil, fmt.Errorf("load kubeconfig %q: %w", o.Kubeconfig, err)
 	}
 	cfg.QPS, cfg.Burst = o.KubeAPIQPS, o.KubeAPIBurst
 	cfg.ContentType = o.KubeAPIContentType
-	cfg.AcceptContentTypes = o.KubeAPIContentType + ",application/json"
+	cfg.AcceptContentTypes = o.KubeAPIContentType
+	if o.KubeAPIContentType != "application/json" {
+		cfg.AcceptContentTypes += ",application/json"
+	}
 	cfg.UserAgent = "kpipe"
-	return kubernetes.NewForConfig(cfg)
+	return cfg, nil
 }
 
 func restConfig(kubeconfig, master string) (*rest.Config, error) {
