@@ -4,10 +4,12 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"os"
 	"strings"
 	"time"
 
 	"github.com/lmittmann/tint"
+	"golang.org/x/term"
 )
 
 func parseLevel(s string) (slog.Level, error) {
@@ -24,5 +26,12 @@ func newLogger(w io.Writer, format, level string) *slog.Logger {
 	if format == "json" {
 		return slog.New(slog.NewJSONHandler(w, &slog.HandlerOptions{Level: l}))
 	}
-	return slog.New(tint.NewHandler(w, &tint.Options{Level: l, TimeFormat: time.TimeOnly}))
+	return slog.New(tint.NewHandler(w, &tint.Options{Level: l, TimeFormat: time.TimeOnly, NoColor: !isTerminal(w)}))
+}
+
+// isTerminal says whether w is a terminal: colours are for people at one, not
+// for a container runtime's log file.
+func isTerminal(w io.Writer) bool {
+	f, ok := w.(*os.File)
+	return ok && term.IsTerminal(int(f.Fd()))
 }

@@ -10,6 +10,7 @@ import (
 	"fmt"
 	"os"
 	"os/signal"
+	"runtime/debug"
 	"syscall"
 
 	"github.com/spf13/cobra"
@@ -21,10 +22,15 @@ func main() {
 
 // run executes the command line and returns the exit code: 2 for bad flags, 1 when
 // the proxy stops on an error it could not recover from.
-func run(args []string) int {
+func run(args []string) int { return runWith(args, serve) }
+
+// runWith is run with the proxy itself given: tests pass a fake to see the
+// options kpipe would run with.
+func runWith(args []string, serve func(context.Context, *Options) error) int {
 	opts := defaultOptions()
 	cmd := &cobra.Command{
 		Use:           "kpipe",
+		Version:       version(),
 		Short:         "Kubernetes node service proxy (kube-proxy iptables mode, as a supervised pipeline)",
 		SilenceUsage:  true,
 		SilenceErrors: true,
@@ -35,8 +41,14 @@ func run(args []string) int {
 			return nil
 		},
 		RunE: func(cmd *cobra.Command, _ []string) error {
+			if err := opts.resolve(cmd.Flags()); err != nil {
+				return err
+			}
 			if err := opts.complete(); err != nil {
 				return err
+			}
+			if opts.WriteConfigTo != "" {
+				return opts.writeConfig(opts.WriteConfigTo)
 			}
 			ctx, stop := signal.NotifyContext(cmd.Context(), syscall.SIGTERM, syscall.SIGINT)
 			defer stop()
@@ -54,4 +66,12 @@ func run(args []string) int {
 		return 1
 	}
 	return 0
+}
+
+// version is the module version kpipe was built from ("(devel)" in a work tree).
+func version() string {
+	if bi, ok := debug.ReadBuildInfo(); ok && bi.Main.Version != "" {
+		return bi.Main.Version
+	}
+	return "(devel)"
 }

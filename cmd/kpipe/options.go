@@ -35,6 +35,16 @@ type Options struct {
 	LocalhostNodePorts  bool          `json:"localhostNodePorts"`
 	LogFormat           string        `json:"logFormat"`
 	LogLevel            string        `json:"logLevel"`
+	KubeAPIQPS          float32       `json:"qps"`
+	KubeAPIBurst        int           `json:"burst"`
+	KubeAPIContentType  string        `json:"contentType"`
+	Master              string        `json:"master"`
+	BindAddress         string        `json:"bindAddress"`
+	FeatureGates        map[string]bool
+	ConfigFile          string
+	WriteConfigTo       string
+	Verbosity           int
+	ignoredGiven        []string
 	clusterCIDRs        []netip.Prefix
 	nodePortCIDRs       []netip.Prefix
 	nodePortPrimary     bool
@@ -52,6 +62,10 @@ func defaultOptions() *Options {
 		LocalhostNodePorts: true,
 		LogFormat:          "text",
 		LogLevel:           "info",
+		KubeAPIQPS:         5,
+		KubeAPIBurst:       10,
+		KubeAPIContentType: "application/vnd.kubernetes.protobuf",
+		BindAddress:        "0.0.0.0",
 	}
 }
 
@@ -75,6 +89,7 @@ func (o *Options) addFlags(fs *pflag.FlagSet) {
 	fs.BoolVar(&o.LocalhostNodePorts, "iptables-localhost-nodeports", o.LocalhostNodePorts, "Let NodePorts answer on 127.0.0.1 (sets route_localnet).")
 	fs.StringVar(&o.LogFormat, "log-format", o.LogFormat, "Log format: text or json.")
 	fs.StringVar(&o.LogLevel, "log-level", o.LogLevel, "Log level: debug, info, warn or error.")
+	o.addKubeProxyFlags(fs)
 }
 
 // usageError is a bad flag value: kpipe exits 2 for it.
@@ -154,6 +169,11 @@ func (o *Options) complete() error {
 	}
 	if _, err := parseLevel(o.LogLevel); err != nil {
 		return usageError{err}
+	}
+	o.HealthzBindAddress = withDefaultPort(o.HealthzBindAddress, healthzPort)
+	o.MetricsBindAddress = withDefaultPort(o.MetricsBindAddress, metricsPort)
+	if o.KubeAPIQPS < 0 || o.KubeAPIBurst < 0 {
+		return usagef("--kube-api-qps and --kube-api-burst must not be negative")
 	}
 	if o.HostnameOverride == "" {
 		h, err := os.Hostname()

@@ -30,6 +30,7 @@ func serve(ctx context.Context, o *Options) error {
 	}
 	root := buildTree(o, d)
 	log.Info("kpipe starting", "node", o.HostnameOverride, "families", fmt.Sprint(d.families()), "mode", "iptables")
+	o.logIgnored(log)
 	if err := root.Run(ctx); err != nil {
 		log.Error("kpipe stopping: a stage kept failing", "err", err)
 		return err
@@ -42,7 +43,7 @@ func serve(ctx context.Context, o *Options) error {
 // conntrack netlink for each family the host has, the host's facts, and a
 // registry with the Go and process collectors.
 func realDeps(o *Options, log *slog.Logger) (deps, error) {
-	client, err := newClient(o.Kubeconfig)
+	client, err := newClient(o)
 	if err != nil {
 		return deps{}, err
 	}
@@ -56,19 +57,34 @@ func realDeps(o *Options, log *slog.Logger) (deps, error) {
 	return d, nil
 }
 
-func newClient(kubeconfig string) (kubernetes.Interface, error) {
-	var cfg *rest.Config
-	var err error
-	if kubeconfig == "" {
-		cfg, err = rest.InClusterConfig()
-	} else {
-		cfg, err = clientcmd.BuildConfigFromFlags("", kubeconfig)
-	}
+// newClient connects as kube-proxy does: the kubeconfig (or in-cluster settings),
+// --master over its server, and the client connection's rate and content type.
+func newClient(o *Options) (kubernetes.Interface, error) {
+	cfg, err := clientConfig(o)
 	if err != nil {
-		return nil, fmt.Errorf("load kubeconfig %q: %w", kubeconfig, err)
+		return nil, err
 	}
-	cfg.ContentType = "application/vnd.kubernetes.protobuf"
-	cfg.AcceptContentTypes = "application/vnd.kubernetes.protobuf,application/json"
-	cfg.UserAgent = "kpipe"
 	return kubernetes.NewForConfig(cfg)
+}
+
+func clientConfig(o *Options) (*rest.Config, error) {
+	cfg, err := restConfig(o.Kubeconfig, o.Master)
+	if err != nil {
+		return nil, fmt.Errorf("load kubeconfig %q: %w", o.Kubeconfig, err)
+	}
+	cfg.QPS, cfg.Burst = o.KubeAPIQPS, o.KubeAPIBurst
+	cfg.ContentType = o.KubeAPIContentType
+	cfg.AcceptContentTypes = o.KubeAPIContentType
+	if o.KubeAPIContentType != "application/json" {
+		cfg.AcceptContentTypes += ",application/json"
+	}
+	cfg.UserAgent = "kpipe"
+	return cfg, nil
+}
+
+func restConfig(kubeconfig, master string) (*rest.Config, error) {
+	if kubeconfig == "" && master == "" {
+		return rest.InClusterConfig()
+	}
+	return clientcmd.BuildConfigFromFlags(master, kubeconfig)
 }

@@ -30,6 +30,7 @@ type Kpipe struct {
 	mu     sync.Mutex
 	proc   *Process
 	extra  []string // the extra flags of the current start
+	whole  bool     // the current start had only extra (StartWith), not Args
 	starts int
 }
 
@@ -82,15 +83,25 @@ func (tb *Testbed) Kpipe() *Kpipe {
 // the start) and GET /sync shows a full sync of every IP family (see
 // WaitSynced). On failure kpipe is left as it is
 // (maybe running) and the error carries the tail of its log.
-func (k *Kpipe) Start(extra ...string) error {
+func (k *Kpipe) Start(extra ...string) error { return k.start(false, extra) }
+
+// StartWith is Start with the complete argument list: none of Args, only args
+// (as a kube-proxy manifest would run it). Restart and Start go back to Args.
+func (k *Kpipe) StartWith(args ...string) error { return k.start(true, args) }
+
+func (k *Kpipe) start(whole bool, extra []string) error {
 	k.mu.Lock()
 	if k.proc != nil && !k.proc.Exited() {
 		k.mu.Unlock()
 		return errors.New("kpipe is already running")
 	}
-	argv := append([]string{"ip", "netns", "exec", k.netns(), k.Bin}, k.Args...)
+	argv := []string{"ip", "netns", "exec", k.netns(), k.Bin}
+	if !whole {
+		argv = append(argv, k.Args...)
+	}
 	argv = append(argv, extra...)
 	k.extra = append([]string(nil), extra...)
+	k.whole = whole
 	p, err := startProcess("kpipe", k.LogPath, nil, argv...)
 	if err != nil {
 		k.mu.Unlock()
@@ -130,10 +141,13 @@ func (k *Kpipe) netns() string {
 }
 
 // CurrentArgs are the flags of the current (or last) start: Args, then the
-// extra flags given to Start.
+// extra flags given to Start (only the latter after StartWith).
 func (k *Kpipe) CurrentArgs() []string {
 	k.mu.Lock()
 	defer k.mu.Unlock()
+	if k.whole {
+		return append([]string(nil), k.extra...)
+	}
 	return append(append([]string(nil), k.Args...), k.extra...)
 }
 

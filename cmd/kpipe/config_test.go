@@ -1,0 +1,329 @@
+package main
+
+import (
+	"context"
+	"os"
+	"path/filepath"
+	"reflect"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/kpipe/kpipe/stages/render"
+)
+
+const kubeadmConfig = "testdata/kubeadm-kube-proxy.conf"
+
+// resolved runs the command line with a fake proxy and returns the options kpipe
+// would have run with, the exit code and stderr.
+func resolved(t *testing.T, args ...string) (*Options, int, string) {
+	t.Helper()
+	var got *Options
+	code, stderr := captureStderr(t, func() int {
+		return runWith(args, func(_ context.Context, o *Options) error { got = o; return nil })
+	})
+	return got, code, stderr
+}
+
+// captureStderr returns what f wrote to stderr. It swaps os.Stderr, so tests that
+// use it do not run in parallel.
+func captureStderr(t *testing.T, f func() int) (int, string) {
+	t.Helper()
+	r, w, err := os.Pipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	orig := os.Stderr
+	os.Stderr = w
+	out := make(chan string, 1)
+	go func() {
+		var b strings.Builder
+		buf := make([]byte, 4096)
+		for {
+			n, err := r.Read(buf)
+			b.Write(buf[:n])
+			if err != nil {
+				break
+			}
+		}
+		out <- b.String()
+	}()
+	code := func() int {
+		defer func() { os.Stderr = orig }()
+		return f()
+	}()
+	w.Close()
+	return code, <-out
+}
+
+func writeFile(t *testing.T, content string) string {
+	t.Helper()
+	p := filepath.Join(t.TempDir(), "config.conf")
+	if err := os.WriteFile(p, []byte(content), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	return p
+}
+
+func readKubeadmConfig(t *testing.T) string {
+	t.Helper()
+	b, err := os.ReadFile(kubeadmConfig)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return string(b)
+}
+
+// The file kubeadm v1.34 writes into the kube-proxy ConfigMap: every zero value
+// gets kube-proxy's default, as kube-proxy would run with it.
+func TestConfigKubeadmFileGetsKubeProxyDefaults(t *testing.T) {
+	o, code, stderr := resolved(t, "--config="+kubeadmConfig, "--hostname-override=Node-1")
+	if code != 0 {
+		t.Fatalf("exit %d: %s", code, stderr)
+	}
+	want := map[string]any{
+		"Kubeconfig":          "/var/lib/kube-proxy/kubeconfig.conf",
+		"HostnameOverride":    "node-1",
+		"ClusterCIDR":         "10.244.0.0/16",
+		"HealthzBindAddress":  "0.0.0.0:10256",
+		"MetricsBindAddress":  "127.0.0.1:10249",
+		"SyncPeriod":          30 * time.Second,
+		"MinSyncPeriod":       time.Second,
+		"MasqueradeBit":       14,
+		"MasqueradeAll":       false,
+		"LocalhostNodePorts":  true,
+		"DetectLocalMode":     render.DetectClusterCIDR,
+		"KubeAPIQPS":          float32(5),
+		"KubeAPIBurst":        10,
+		"KubeAPIContentType":  "application/vnd.kubernetes.protobuf",
+		"LogLevel":            "info",
+		"LogFormat":           "text",
+		"EnableDebugHandlers": false,
+	}
+	checkOptions(t, o, want)
+	if len(o.NodePortAddresses) != 0 {
+		t.Errorf("NodePortAddresses = %q; want none (all addresses)", o.NodePortAddresses)
+	}
+}
+
+func checkOptions(t *testing.T, o *Options, want map[string]any) {
+	t.Helper()
+	v := reflect.ValueOf(o).Elem()
+	for name, w := range want {
+		if got := v.FieldByName(name).Interface(); !reflect.DeepEqual(got, w) {
+			t.Errorf("%s = %v; want %v", name, got, w)
+		}
+	}
+}
+
+func TestConfigFieldsMapOntoOptions(t *testing.T) {
+	cfg := strings.NewReplacer(
+		"kubeconfig: /var/lib/kube-proxy/kubeconfig.conf", "kubeconfig: /k.conf",
+		"qps: 0", "qps: 50", "burst: 0", "burst: 100", `contentType: ""`, "contentType: application/json",
+		`hostnameOverride: ""`, "hostnameOverride: from-file",
+		`healthzBindAddress: ""`, "healthzBindAddress: 127.0.0.1",
+		`metricsBindAddress: ""`, "metricsBindAddress: 0.0.0.0:9999",
+		"enableProfiling: false", "enableProfiling: true",
+		`detectLocalMode: ""`, "detectLocalMode: InterfaceNamePrefix",
+		`interfaceNamePrefix: ""`, "interfaceNamePrefix: veth",
+		"nodePortAddresses: null", "nodePortAddresses: [primary]",
+		"  localhostNodePorts: null\n  masqueradeAll: false\n  masqueradeBit: null\n  minSyncPeriod: 0s\n  syncPeriod: 0s",
+		"  localhostNodePorts: false\n  masqueradeAll: true\n  masqueradeBit: 12\n  minSyncPeriod: 2s\n  syncPeriod: 1m",
+		"verbosity: 0", "verbosity: 5",
+		`mode: ""`, "mode: iptables",
+	).Replace(readKubeadmConfig(t))
+	o, code, stderr := resolved(t, "--config="+writeFile(t, cfg))
+	if code != 0 {
+		t.Fatalf("exit %d: %s", code, stderr)
+	}
+	checkOptions(t, o, map[string]any{
+		"Kubeconfig": "/k.conf", "KubeAPIQPS": float32(50), "KubeAPIBurst": 100, "KubeAPIContentType": "application/json",
+		"HostnameOverride": "from-file", "HealthzBindAddress": "127.0.0.1:10256", "MetricsBindAddress": "0.0.0.0:9999",
+		"EnableDebugHandlers": true, "DetectLocalMode": render.DetectInterfacePrefix, "PodInterfaceprefix": "veth",
+		"NodePortAddresses": []string{"primary"}, "LocalhostNodePorts": false, "MasqueradeAll": true, "MasqueradeBit": 12,
+		"MinSyncPeriod": 2 * time.Second, "SyncPeriod": time.Minute, "LogLevel": "debug",
+	})
+}
+
+func TestConfigUnknownFieldIsUsageError(t *testing.T) {
+	cfg := strings.Replace(readKubeadmConfig(t), "  masqueradeAll: false\n  masqueradeBit: null", "  masqueradeAll: false\n  masqueradeBitz: 3\n  masqueradeBit: null", 1)
+	_, code, stderr := resolved(t, "--config="+writeFile(t, cfg))
+	if code != 2 {
+		t.Errorf("exit %d; want 2", code)
+	}
+	if !strings.Contains(stderr, "masqueradeBitz") {
+		t.Errorf("message %q does not name the unknown field masqueradeBitz", stderr)
+	}
+}
+
+func TestConfigRejectsBadFiles(t *testing.T) {
+	tests := []struct{ name, content, mention string }{
+		{"other mode", strings.Replace(readKubeadmConfig(t), `mode: ""`, "mode: ipvs", 1), "ipvs"},
+		{"other kind", strings.Replace(readKubeadmConfig(t), "kind: KubeProxyConfiguration", "kind: KubeletConfiguration", 1), "KubeletConfiguration"},
+		{"not yaml", "{{{", "config"},
+		{"duplicate field", readKubeadmConfig(t) + "clusterCIDR: 10.0.0.0/8\n", "clusterCIDR"},
+	}
+	for _, tt := range tests {
+		_, code, stderr := resolved(t, "--config="+writeFile(t, tt.content))
+		if code != 2 || !strings.Contains(stderr, tt.mention) {
+			t.Errorf("%s: exit %d, %q; want 2 naming %q", tt.name, code, stderr, tt.mention)
+		}
+	}
+	if _, code, _ := resolved(t, "--config=/no/such/file"); code != 2 {
+		t.Errorf("missing file: exit %d; want 2", code)
+	}
+}
+
+func TestConfigFlagsOverrideFile(t *testing.T) {
+	o, code, stderr := resolved(t, "--config="+kubeadmConfig, "--cluster-cidr=10.1.0.0/16", "--iptables-sync-period=10s",
+		"--kubeconfig=/flag.conf", "--metrics-bind-address=127.0.0.1:9000", "--v=4", "--kube-api-qps=7")
+	if code != 0 {
+		t.Fatalf("exit %d: %s", code, stderr)
+	}
+	checkOptions(t, o, map[string]any{"ClusterCIDR": "10.1.0.0/16", "SyncPeriod": 10 * time.Second, "Kubeconfig": "/flag.conf",
+		"MetricsBindAddress": "127.0.0.1:9000", "LogLevel": "debug", "KubeAPIQPS": float32(7),
+		// and the file still sets the rest:
+		"MinSyncPeriod": time.Second, "HealthzBindAddress": "0.0.0.0:10256"})
+}
+
+func TestBareIPBindAddressesGetDefaultPorts(t *testing.T) {
+	tests := []struct {
+		args             []string
+		healthz, metrics string
+	}{
+		{[]string{"--healthz-bind-address=127.0.0.1", "--metrics-bind-address=127.0.0.1"}, "127.0.0.1:10256", "127.0.0.1:10249"},
+		{[]string{"--healthz-bind-address=::1", "--metrics-bind-address=0.0.0.0"}, "[::1]:10256", "0.0.0.0:10249"},
+		{[]string{"--metrics-bind-address="}, "0.0.0.0:10256", ""},
+	}
+	for _, tt := range tests {
+		o, code, stderr := resolved(t, tt.args...)
+		if code != 0 {
+			t.Fatalf("%q: exit %d: %s", tt.args, code, stderr)
+		}
+		if o.HealthzBindAddress != tt.healthz || o.MetricsBindAddress != tt.metrics {
+			t.Errorf("%q: healthz %q metrics %q; want %q %q", tt.args, o.HealthzBindAddress, o.MetricsBindAddress, tt.healthz, tt.metrics)
+		}
+	}
+	cfg := strings.NewReplacer(`healthzBindAddress: ""`, "healthzBindAddress: 10.0.0.1", "bindAddress: 0.0.0.0", "bindAddress: '::'").Replace(readKubeadmConfig(t))
+	o, code, stderr := resolved(t, "--config="+writeFile(t, cfg))
+	if code != 0 {
+		t.Fatalf("exit %d: %s", code, stderr)
+	}
+	if o.HealthzBindAddress != "10.0.0.1:10256" || o.MetricsBindAddress != "[::1]:10249" {
+		t.Errorf("file: healthz %q metrics %q; want 10.0.0.1:10256 and [::1]:10249 (IPv6 bindAddress)", o.HealthzBindAddress, o.MetricsBindAddress)
+	}
+}
+
+// --write-config-to writes what kpipe would run with, and that file reads back
+// to the same options.
+func TestWriteConfigToRoundTrips(t *testing.T) {
+	out := filepath.Join(t.TempDir(), "effective.yaml")
+	ran := false
+	code, stderr := captureStderr(t, func() int {
+		return runWith([]string{"--config=" + kubeadmConfig, "--hostname-override=n1", "--masquerade-all", "--write-config-to=" + out},
+			func(context.Context, *Options) error { ran = true; return nil })
+	})
+	if code != 0 || ran {
+		t.Fatalf("exit %d (ran the proxy: %v): %s", code, ran, stderr)
+	}
+	o, code, stderr := resolved(t, "--config="+out)
+	if code != 0 {
+		t.Fatalf("reading the written config: exit %d: %s", code, stderr)
+	}
+	checkOptions(t, o, map[string]any{"HostnameOverride": "n1", "MasqueradeAll": true, "ClusterCIDR": "10.244.0.0/16",
+		"Kubeconfig": "/var/lib/kube-proxy/kubeconfig.conf", "SyncPeriod": 30 * time.Second, "MasqueradeBit": 14})
+}
+
+// kube-proxy's command line, as kube-proxy's own manifests and harnesses pass it.
+func TestKubeProxyCommandLineIsAccepted(t *testing.T) {
+	o, code, stderr := resolved(t, "--v=2", "--conntrack-max-per-core=0", "--conntrack-min=0", "--conntrack-tcp-timeout-established=1h",
+		"--conntrack-tcp-timeout-close-wait=1h", "--conntrack-udp-timeout=30s", "--conntrack-udp-timeout-stream=2m", "--oom-score-adj=-999",
+		"--ipvs-scheduler=rr", "--ipvs-sync-period=5s", "--ipvs-exclude-cidrs=10.0.0.0/8", "--ipvs-strict-arp",
+		"--kubeconfig=/kc", "--hostname_override=node-a", "--bind-address=0.0.0.0", "--kube-api-qps=20", "--kube-api-burst=40",
+		"--kube-api-content-type=application/json", "--profiling", "--feature-gates=AllAlpha=false,SomeGate=true", "--master=https://10.0.0.1:6443")
+	if code != 0 {
+		t.Fatalf("exit %d: %s", code, stderr)
+	}
+	checkOptions(t, o, map[string]any{"HostnameOverride": "node-a", "Kubeconfig": "/kc", "KubeAPIQPS": float32(20), "KubeAPIBurst": 40,
+		"KubeAPIContentType": "application/json", "EnableDebugHandlers": true, "LogLevel": "info", "Master": "https://10.0.0.1:6443",
+		"FeatureGates": map[string]bool{"AllAlpha": false, "SomeGate": true}})
+	wantIgnored := []string{"conntrack-max-per-core", "conntrack-min", "conntrack-tcp-timeout-close-wait", "conntrack-tcp-timeout-established",
+		"conntrack-udp-timeout", "conntrack-udp-timeout-stream", "ipvs-exclude-cidrs", "ipvs-scheduler", "ipvs-strict-arp", "ipvs-sync-period", "oom-score-adj"}
+	if !reflect.DeepEqual(o.ignoredGiven, wantIgnored) {
+		t.Errorf("ignored flags %q; want %q", o.ignoredGiven, wantIgnored)
+	}
+}
+
+func TestVerbosityMapsOntoLogLevel(t *testing.T) {
+	for _, tt := range []struct {
+		args []string
+		want string
+	}{
+		{[]string{"--v=0"}, "info"}, {[]string{"-v", "2"}, "info"}, {[]string{"--v=3"}, "info"},
+		{[]string{"--v=4"}, "debug"}, {[]string{"-v=6"}, "debug"},
+		{[]string{"--v=6", "--log-level=warn"}, "warn"}, // kpipe's own flag wins
+	} {
+		o, code, stderr := resolved(t, tt.args...)
+		if code != 0 {
+			t.Fatalf("%q: exit %d: %s", tt.args, code, stderr)
+		}
+		if o.LogLevel != tt.want {
+			t.Errorf("%q: log level %q; want %q", tt.args, o.LogLevel, tt.want)
+		}
+	}
+}
+
+func TestKubeProxyCommandLineErrors(t *testing.T) {
+	for _, tt := range []struct {
+		args    []string
+		mention string
+	}{
+		{[]string{"--not-a-kube-proxy-flag"}, "not-a-kube-proxy-flag"},
+		{[]string{"--conntrack-min=lots"}, "conntrack-min"}, // ignored, but still parsed
+		{[]string{"--v=high"}, "v"},
+		{[]string{"--feature-gates=Gate=maybe"}, "feature-gates"},
+		{[]string{"--cleanup"}, "cleanup"},
+		{[]string{"--init-only"}, "init-only"},
+	} {
+		_, code, stderr := resolved(t, tt.args...)
+		if code != 2 || !strings.Contains(stderr, tt.mention) {
+			t.Errorf("%q: exit %d, %q; want 2 naming %q", tt.args, code, stderr, tt.mention)
+		}
+	}
+}
+
+func TestVersionPrintsAndExits(t *testing.T) {
+	ran := false
+	code, _ := captureStderr(t, func() int {
+		return runWith([]string{"--version"}, func(context.Context, *Options) error { ran = true; return nil })
+	})
+	if code != 0 || ran {
+		t.Errorf("--version: exit %d, ran the proxy: %v; want exit 0 without running", code, ran)
+	}
+}
+
+// clientConnection's qps, burst, contentType and kubeconfig (and --master) reach
+// the apiserver client.
+func TestClientConnectionReachesTheClient(t *testing.T) {
+	kubeconfig := writeFile(t, `apiVersion: v1
+kind: Config
+clusters: [{name: c, cluster: {server: "https://192.0.2.1:6443"}}]
+users: [{name: u, user: {token: t}}]
+contexts: [{name: x, context: {cluster: c, user: u}}]
+current-context: x
+`)
+	cfg := strings.NewReplacer("kubeconfig: /var/lib/kube-proxy/kubeconfig.conf", "kubeconfig: "+kubeconfig,
+		"qps: 0", "qps: 50", "burst: 0", "burst: 100").Replace(readKubeadmConfig(t))
+	o, code, stderr := resolved(t, "--config="+writeFile(t, cfg), "--kube-api-content-type=application/json", "--master=https://192.0.2.2:6443")
+	if code != 0 {
+		t.Fatalf("exit %d: %s", code, stderr)
+	}
+	rc, err := clientConfig(o)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if rc.QPS != 50 || rc.Burst != 100 || rc.ContentType != "application/json" || rc.Host != "https://192.0.2.2:6443" || rc.BearerToken != "t" {
+		t.Errorf("rest config QPS %v burst %d content type %q host %q token %q; want 50, 100, application/json, https://192.0.2.2:6443, t",
+			rc.QPS, rc.Burst, rc.ContentType, rc.Host, rc.BearerToken)
+	}
+}

@@ -1,0 +1,105 @@
+package main
+
+import (
+	"log/slog"
+	"sort"
+	"strings"
+
+	"github.com/spf13/pflag"
+	cliflag "k8s.io/component-base/cli/flag"
+)
+
+var (
+	ignoredInt32Flags    = []string{"conntrack-max-per-core", "conntrack-min", "oom-score-adj"}
+	ignoredDurationFlags = []string{"conntrack-tcp-timeout-established", "conntrack-tcp-timeout-close-wait", "conntrack-udp-timeout", "conntrack-udp-timeout-stream",
+		"ipvs-sync-period", "ipvs-min-sync-period", "ipvs-tcp-timeout", "ipvs-tcpfin-timeout", "ipvs-udp-timeout", "config-sync-period", "log-flush-frequency"}
+	ignoredBoolFlags   = []string{"conntrack-tcp-be-liberal", "ipvs-strict-arp", "bind-address-hard-fail"}
+	ignoredStringFlags = []string{"ipvs-scheduler", "show-hidden-metrics-for-version", "vmodule"}
+	ignoredSliceFlags  = []string{"ipvs-exclude-cidrs"}
+	// refusedFlags are kube-proxy's one-shot modes: ignoring them would leave a
+	// proxy running where an init step was meant to exit.
+	refusedFlags = []string{"cleanup", "init-only"}
+)
+
+// addKubeProxyFlags adds the flags of kube-proxy's command line that kpipe's own
+// names do not already cover, and normalizes names as kube-proxy does
+// (--hostname_override is --hostname-override).
+func (o *Options) addKubeProxyFlags(fs *pflag.FlagSet) {
+	fs.SetNormalizeFunc(cliflag.WordSepNormalizeFunc)
+	fs.StringVar(&o.ConfigFile, "config", o.ConfigFile, "A kube-proxy configuration file (KubeProxyConfiguration, kubeproxy.config.k8s.io/v1alpha1); flags given on the command line override it.")
+	fs.StringVar(&o.WriteConfigTo, "write-config-to", o.WriteConfigTo, "Write the effective configuration to this file and exit.")
+	fs.StringVar(&o.Master, "master", o.Master, "The address of the apiserver (overrides the kubeconfig's).")
+	fs.StringVar(&o.BindAddress, "bind-address", o.BindAddress, "kube-proxy's bind address: accepted; in a --config file an IPv6 one makes the default health and metrics addresses IPv6.")
+	fs.Float32Var(&o.KubeAPIQPS, "kube-api-qps", o.KubeAPIQPS, "Queries per second to the apiserver.")
+	fs.IntVar(&o.KubeAPIBurst, "kube-api-burst", o.KubeAPIBurst, "Burst of queries to the apiserver.")
+	fs.StringVar(&o.KubeAPIContentType, "kube-api-content-type", o.KubeAPIContentType, "Content type of requests to the apiserver.")
+	fs.BoolVar(&o.EnableDebugHandlers, "profiling", o.EnableDebugHandlers, "kube-proxy's name for --enable-debug-handlers (pprof, and /debug/stages, on the metrics address).")
+	fs.Var(cliflag.NewMapStringBool(&o.FeatureGates), "feature-gates", "kube-proxy feature gates: accepted, and ignored (none changes the iptables mode kpipe implements).")
+	fs.IntVarP(&o.Verbosity, "v", "v", o.Verbosity, "kube-proxy's log verbosity: 0-3 is --log-level=info, 4 and more is debug (unless --log-level is given).")
+	fs.StringVar(&o.LogFormat, "logging-format", o.LogFormat, "kube-proxy's name for --log-format.")
+	for _, n := range refusedFlags {
+		fs.Bool(n, false, "kube-proxy's one-shot "+n+": kpipe does not implement it (an error).")
+	}
+	// kube-proxy flags of other modes or of host settings: parsed (a bad value is
+	// still an error) and otherwise unused.
+	for _, n := range ignoredInt32Flags {
+		fs.Int32(n, 0, "Accepted for kube-proxy compatibility and ignored.")
+	}
+	for _, n := range ignoredDurationFlags {
+		fs.Duration(n, 0, "Accepted for kube-proxy compatibility and ignored.")
+	}
+	for _, n := range ignoredBoolFlags {
+		fs.Bool(n, false, "Accepted for kube-proxy compatibility and ignored.")
+	}
+	for _, n := range ignoredStringFlags {
+		fs.String(n, "", "Accepted for kube-proxy compatibility and ignored.")
+	}
+	for _, n := range ignoredSliceFlags {
+		fs.StringSlice(n, nil, "Accepted for kube-proxy compatibility and ignored.")
+	}
+}
+
+// resolve merges the configuration file (if any) under the flags given on the
+// command line, and maps --v onto the log level.
+func (o *Options) resolve(fs *pflag.FlagSet) error {
+	for _, n := range refusedFlags {
+		if fs.Changed(n) {
+			return usagef("--%s is kube-proxy's one-shot mode: kpipe does not implement it", n)
+		}
+	}
+	if o.ConfigFile != "" {
+		c, err := loadConfigFile(o.ConfigFile)
+		if err != nil {
+			return err
+		}
+		if err := o.applyConfig(c, fs); err != nil {
+			return err
+		}
+	}
+	if fs.Changed("v") && !fs.Changed("log-level") {
+		o.LogLevel = levelOfVerbosity(o.Verbosity)
+	}
+	o.ignoredGiven = ignoredGiven(fs)
+	return nil
+}
+
+// ignoredGiven names the ignored flags given on the command line, sorted.
+func ignoredGiven(fs *pflag.FlagSet) []string {
+	var names []string
+	for _, group := range [][]string{ignoredInt32Flags, ignoredDurationFlags, ignoredBoolFlags, ignoredStringFlags, ignoredSliceFlags} {
+		for _, n := range group {
+			if fs.Changed(n) {
+				names = append(names, n)
+			}
+		}
+	}
+	sort.Strings(names)
+	return names
+}
+
+// logIgnored says, once, which kube-proxy flags kpipe accepted without using them.
+func (o *Options) logIgnored(log *slog.Logger) {
+	if len(o.ignoredGiven) > 0 {
+		log.Info("ignoring kube-proxy flags of other proxy modes or host settings", "flags", strings.Join(o.ignoredGiven, ","))
+	}
+}
