@@ -25,6 +25,7 @@ import (
 	utilyaml "k8s.io/apimachinery/pkg/util/yaml"
 	"k8s.io/apimachinery/pkg/watch"
 	"k8s.io/client-go/kubernetes"
+	sigsjson "sigs.k8s.io/json"
 	"sigs.k8s.io/yaml"
 )
 
@@ -119,10 +120,26 @@ func decodeStrict(doc []byte) (runtime.Object, error) {
 	default:
 		return nil, fmt.Errorf("unexpected %s %s (teach decodeStrict and dryRunCreate about it)", tm.APIVersion, tm.Kind)
 	}
-	if err := yaml.UnmarshalStrict(doc, obj); err != nil {
+	if err := unmarshalStrict(doc, obj); err != nil {
 		return nil, fmt.Errorf("%s: %w", tm.Kind, err)
 	}
 	return obj, nil
+}
+
+// unmarshalStrict decodes YAML into v as the apiserver's strict field
+// validation does: field names are case-sensitive (encoding/json, under
+// sigs.k8s.io/yaml.UnmarshalStrict, would take "hostnetwork"), unknown and
+// duplicate fields are errors.
+func unmarshalStrict(doc []byte, v any) error {
+	j, err := yaml.YAMLToJSONStrict(doc)
+	if err != nil {
+		return err
+	}
+	strictErrs, err := sigsjson.UnmarshalStrict(j, v, sigsjson.DisallowDuplicateFields, sigsjson.DisallowUnknownFields)
+	if err != nil {
+		return err
+	}
+	return errors.Join(strictErrs...)
 }
 
 func stripComments(doc []byte) []byte {
@@ -201,6 +218,11 @@ func TestDeployManifestsDryRun(t *testing.T) {
 			t.Logf("%v: refused only for privileged (this apiserver lacks --allow-privileged=true); retrying unprivileged", o)
 			err = dryRunCreate(ctx, cs, unprivileged(ds))
 		}
+		if err == nil {
+			if ds, ok := o.obj.(*appsv1.DaemonSet); ok {
+				err = dryRunPod(ctx, t, cs, ds)
+			}
+		}
 		if err != nil {
 			t.Errorf("%v: the apiserver refused it: %v", o, err)
 			continue
@@ -211,6 +233,32 @@ func TestDeployManifestsDryRun(t *testing.T) {
 	if _, err := cs.AppsV1().DaemonSets(metav1.NamespaceSystem).Get(ctx, "kube-proxy", metav1.GetOptions{}); !apierrors.IsNotFound(err) {
 		t.Errorf("after a dry run, get daemonset kube-system/kube-proxy: %v, want NotFound", err)
 	}
+}
+
+// dryRunPod sends a pod made from the DaemonSet's template as a dry run:
+// pod admission (the priority class must exist) sees only pods.
+func dryRunPod(ctx context.Context, t *testing.T, cs kubernetes.Interface, ds *appsv1.DaemonSet) error {
+	pod := &corev1.Pod{
+		ObjectMeta: *ds.Spec.Template.ObjectMeta.DeepCopy(),
+		Spec:       *ds.Spec.Template.Spec.DeepCopy(),
+	}
+	pod.Namespace = ds.Namespace
+	pod.GenerateName = ds.Name + "-"
+	pod.Spec.NodeName = testbedNodeName(ctx, t)
+	opts := metav1.CreateOptions{DryRun: []string{metav1.DryRunAll}, FieldValidation: metav1.FieldValidationStrict}
+	_, err := cs.CoreV1().Pods(pod.Namespace).Create(ctx, pod, opts)
+	if onlyPrivilegedForbidden(err) {
+		for i := range pod.Spec.Containers {
+			if sc := pod.Spec.Containers[i].SecurityContext; sc != nil {
+				sc.Privileged = nil
+			}
+		}
+		_, err = cs.CoreV1().Pods(pod.Namespace).Create(ctx, pod, opts)
+	}
+	if err != nil {
+		return fmt.Errorf("a pod of its template: %w", err)
+	}
+	return nil
 }
 
 // onlyPrivilegedForbidden: err is an Invalid whose only cause is a
@@ -406,7 +454,7 @@ func TestDeployKustomization(t *testing.T) {
 		t.Fatal(err)
 	}
 	var k kustomization
-	if err := yaml.UnmarshalStrict(data, &k); err != nil {
+	if err := unmarshalStrict(data, &k); err != nil {
 		t.Fatalf("kustomization.yaml: %v", err)
 	}
 	if k.APIVersion != "kustomize.config.k8s.io/v1beta1" || k.Kind != "Kustomization" {
