@@ -21,7 +21,6 @@ import (
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/runtime"
-	"k8s.io/apimachinery/pkg/util/validation/field"
 	utilyaml "k8s.io/apimachinery/pkg/util/yaml"
 	"k8s.io/apimachinery/pkg/watch"
 	"k8s.io/client-go/kubernetes"
@@ -211,13 +210,6 @@ func TestDeployManifestsDryRun(t *testing.T) {
 			continue
 		}
 		err := dryRunCreate(ctx, cs, o.obj)
-		if ds, ok := o.obj.(*appsv1.DaemonSet); ok && onlyPrivilegedForbidden(err) {
-			// The test bed's apiserver runs without --allow-privileged
-			// (kubeadm's sets it): validation listed no other error; send it
-			// again unprivileged to pass admission too.
-			t.Logf("%v: refused only for privileged (this apiserver lacks --allow-privileged=true); retrying unprivileged", o)
-			err = dryRunCreate(ctx, cs, unprivileged(ds))
-		}
 		if err == nil {
 			if ds, ok := o.obj.(*appsv1.DaemonSet); ok {
 				err = dryRunPod(ctx, t, cs, ds)
@@ -247,42 +239,10 @@ func dryRunPod(ctx context.Context, t *testing.T, cs kubernetes.Interface, ds *a
 	pod.Spec.NodeName = testbedNodeName(ctx, t)
 	opts := metav1.CreateOptions{DryRun: []string{metav1.DryRunAll}, FieldValidation: metav1.FieldValidationStrict}
 	_, err := cs.CoreV1().Pods(pod.Namespace).Create(ctx, pod, opts)
-	if onlyPrivilegedForbidden(err) {
-		for i := range pod.Spec.Containers {
-			if sc := pod.Spec.Containers[i].SecurityContext; sc != nil {
-				sc.Privileged = nil
-			}
-		}
-		_, err = cs.CoreV1().Pods(pod.Namespace).Create(ctx, pod, opts)
-	}
 	if err != nil {
 		return fmt.Errorf("a pod of its template: %w", err)
 	}
 	return nil
-}
-
-// onlyPrivilegedForbidden: err is an Invalid whose only cause is a
-// privileged container the apiserver's policy forbids.
-func onlyPrivilegedForbidden(err error) bool {
-	var status apierrors.APIStatus
-	if !apierrors.IsInvalid(err) || !errors.As(err, &status) || status.Status().Details == nil {
-		return false
-	}
-	causes := status.Status().Details.Causes
-	return len(causes) > 0 && !slices.ContainsFunc(causes, func(c metav1.StatusCause) bool {
-		return c.Type != metav1.CauseType(field.ErrorTypeForbidden) || !strings.HasSuffix(c.Field, ".securityContext.privileged")
-	})
-}
-
-// unprivileged is a copy of ds whose containers are not privileged.
-func unprivileged(ds *appsv1.DaemonSet) *appsv1.DaemonSet {
-	ds = ds.DeepCopy()
-	for i := range ds.Spec.Template.Spec.Containers {
-		if sc := ds.Spec.Template.Spec.Containers[i].SecurityContext; sc != nil {
-			sc.Privileged = nil
-		}
-	}
-	return ds
 }
 
 // deployDaemonSet is the one DaemonSet of deploy/ and its one container.

@@ -73,6 +73,7 @@ func (tb *Testbed) startControlPlane(ctx context.Context, bins ControlPlaneBinar
 		"--cert-dir", certDir,
 		"--token-auth-file", tokenFile,
 		"--authorization-mode", "RBAC",
+		"--allow-privileged=true", // as kubeadm's: kube-proxy's DaemonSet (and kpipe's) is privileged
 		"--service-account-issuer", "https://kubernetes.default.svc.cluster.local",
 		"--service-account-key-file", saKey,
 		"--service-account-signing-key-file", saKey,
