@@ -60,7 +60,9 @@ func TestMetricsNetworkProgrammingLatency(t *testing.T) {
 		labels := map[string]string{"ip_family": c.family}
 		before := metricSum(t, "kubeproxy_network_programming_duration_seconds_count", labels)
 		slice := testbed.EndpointSlice(svc, "", c.eps)
-		slice.Annotations = map[string]string{corev1.EndpointsLastChangeTriggerTime: time.Now().UTC().Format(time.RFC3339)}
+		// RFC 3339 with fractions, as the EndpointSlice controller writes it: whole
+		// seconds could date the change before kpipe started, which is not counted.
+		slice.Annotations = map[string]string{corev1.EndpointsLastChangeTriggerTime: time.Now().UTC().Format(time.RFC3339Nano)}
 		if _, err := tb.ApplyEndpointSlice(e.ctx, slice); err != nil {
 			t.Fatal(err)
 		}
