@@ -267,7 +267,10 @@ func (s *Stage) apply(st *bus.State, synced *bool, c bus.Change, seq uint64, fam
 					p.endpoints = true
 					f.pendingEndpoints++
 				}
-				if c.Kind == bus.SliceChanged && c.Slice != nil && c.Slice.TriggerTime.After(s.started) {
+				// A slice programs only its own family's rules (kube-proxy's per-family
+				// proxiers each see only their slices).
+				if c.Kind == bus.SliceChanged && c.Slice != nil && c.Slice.Family == f.Family.Family &&
+					c.Slice.TriggerTime.After(s.started) {
 					p.triggers = append(p.triggers, c.Slice.TriggerTime)
 				}
 				f.pending[key] = p
@@ -330,7 +333,9 @@ func (s *Stage) apply(st *bus.State, synced *bool, c bus.Change, seq uint64, fam
 		mark(bus.ServiceKey{})
 		s.log.Info("state replayed from watch", "services", len(st.Services))
 	}
-	s.metrics.LastQueued.SetToCurrentTime()
+	for _, f := range fams {
+		s.metrics.LastQueued.WithLabelValues(f.Family.Family.String()).SetToCurrentTime()
+	}
 	s.publish(fams, now)
 }
 
@@ -383,7 +388,7 @@ func (s *Stage) result(f *familyState) {
 			continue
 		}
 		for _, t := range p.triggers {
-			s.metrics.NetworkProgramming.Observe(res.At.Sub(t).Seconds())
+			s.metrics.NetworkProgramming.WithLabelValues(f.Family.Family.String()).Observe(res.At.Sub(t).Seconds())
 		}
 		if p.service {
 			f.pendingServices--

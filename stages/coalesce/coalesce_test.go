@@ -608,15 +608,57 @@ func TestNetworkProgrammingLatency(t *testing.T) {
 	}
 }
 
-func programming(reg *prometheus.Registry) (uint64, float64) {
+// programming is the IPv4 series of kubeproxy_network_programming_duration_seconds.
+func programming(reg *prometheus.Registry) (uint64, float64) { return programmingOf(reg, "IPv4") }
+
+// programmingOf is one family's series of kubeproxy_network_programming_duration_seconds.
+func programmingOf(reg *prometheus.Registry, family string) (uint64, float64) {
 	mfs, _ := reg.Gather()
 	for _, mf := range mfs {
-		if mf.GetName() == "kubeproxy_network_programming_duration_seconds" {
-			h := mf.GetMetric()[0].GetHistogram()
-			return h.GetSampleCount(), h.GetSampleSum()
+		if mf.GetName() != "kubeproxy_network_programming_duration_seconds" {
+			continue
+		}
+		for _, m := range mf.GetMetric() {
+			for _, l := range m.GetLabel() {
+				if l.GetName() == "ip_family" && l.GetValue() == family {
+					return m.GetHistogram().GetSampleCount(), m.GetHistogram().GetSampleSum()
+				}
+			}
 		}
 	}
 	return 0, 0
+}
+
+// TestNetworkProgrammingLatencyPerFamily: on a dual-stack node each family
+// observes the trigger times of its own slices only, in its own ip_family series,
+// as kube-proxy's per-family proxiers do.
+func TestNetworkProgrammingLatencyPerFamily(t *testing.T) {
+	h := start(t, coalesce.Config{}, bus.IPv4, bus.IPv6)
+	h.send(replayOf(svc(keyA, "10.96.0.1")))
+	commitBoth := func() {
+		s4, s6 := h.take(bus.IPv4), h.take(bus.IPv6)
+		h.answer(bus.IPv4, s4, true)
+		h.answer(bus.IPv6, s6, true)
+	}
+	commitBoth()
+	for _, ip := range []string{"10.244.0.1", "fd00:10:244::1"} {
+		sl := slice(keyA, "a-"+bus.FamilyOf(netip.MustParseAddr(ip)).String(), ip)
+		sl.TriggerTime = time.Now()
+		h.send(bus.Change{Kind: bus.SliceChanged, Key: keyA, SliceName: sl.Name, Slice: sl})
+		commitBoth()
+	}
+	eventually(t, "one latency sample per family", func() bool {
+		n4, _ := programmingOf(h.reg, "IPv4")
+		n6, _ := programmingOf(h.reg, "IPv6")
+		return n4 >= 1 && n6 >= 1
+	})
+	for deadline := time.Now().Add(quiet); time.Now().Before(deadline); time.Sleep(25 * time.Millisecond) {
+		n4, _ := programmingOf(h.reg, "IPv4")
+		n6, _ := programmingOf(h.reg, "IPv6")
+		if n4 != 1 || n6 != 1 {
+			t.Fatalf("latency samples IPv4 %d, IPv6 %d; want one each: a family observes only its own slice", n4, n6)
+		}
+	}
 }
 
 // TestResendKeepsPendingFullSync: a full sync lost to a restart of render or

@@ -10,6 +10,7 @@ import (
 	"maps"
 	"net/netip"
 	"slices"
+	"strings"
 	"time"
 
 	"github.com/kpipe/kpipe/bus"
@@ -64,6 +65,7 @@ type Stage struct {
 	ledger           *Ledger
 	kernel           Kernel
 	metrics          *metrics.Metrics
+	written          map[string]int // rules the last apply wrote, by table
 	log              *slog.Logger
 }
 
@@ -95,7 +97,7 @@ func (s *Stage) Run(ctx context.Context) error {
 				return nil
 			}
 			// Not logged here: coalesce logs the failure with the backoff it retries after.
-			s.metrics.RestoreFailures.Inc()
+			s.countFailure(full)
 			s.p.Env.Status.Failed(err, time.Now())
 			// The failed result makes coalesce retry with a full sync, after a backoff.
 			s.p.Results.Put(bus.Result{Family: s.family, Generation: plan.Generation, Err: err, Full: full, At: time.Now()})
@@ -159,7 +161,18 @@ func (s *Stage) apply(ctx context.Context, plan *bus.Plan) error {
 			}
 		}
 	}
+	s.written = w.rulesWritten()
 	return nil
+}
+
+// countFailure counts a failed commit as kube-proxy counts a failed restore; a
+// partial one is also a partial restore failure (coalesce retries it in full).
+func (s *Stage) countFailure(full bool) {
+	family := s.family.String()
+	s.metrics.RestoreFailures.WithLabelValues(family).Inc()
+	if !full {
+		s.metrics.PartialRestoreFailures.WithLabelValues(family).Inc()
+	}
 }
 
 // changes works out what to write and delete in one table.
@@ -290,18 +303,20 @@ func (s *Stage) record(plan *bus.Plan, full bool, start, now time.Time) {
 		began = start
 	}
 	took := now.Sub(began).Seconds()
-	s.metrics.SyncDuration.Observe(took)
+	family := s.family.String()
+	s.metrics.SyncDuration.WithLabelValues(family).Observe(took)
 	if full {
-		s.metrics.SyncFullDuration.Observe(took)
+		s.metrics.SyncFullDuration.WithLabelValues(family).Observe(took)
 	} else {
-		s.metrics.SyncPartialDuration.Observe(took)
+		s.metrics.SyncPartialDuration.WithLabelValues(family).Observe(took)
 	}
-	s.metrics.LastSync.SetToCurrentTime()
+	s.metrics.LastSync.WithLabelValues(family).SetToCurrentTime()
 	for _, tp := range plan.Tables {
-		s.metrics.RulesTotal.WithLabelValues(tp.Table).Set(float64(tp.RuleCount))
+		s.metrics.RulesTotal.WithLabelValues(tp.Table, family).Set(float64(tp.RuleCount))
+		s.metrics.RulesLast.WithLabelValues(tp.Table, family).Set(float64(s.written[tp.Table]))
 	}
 	for policy, n := range plan.NoLocalEndpoints {
-		s.metrics.NoLocalEndpoints.WithLabelValues(policy).Set(float64(n))
+		s.metrics.NoLocalEndpoints.WithLabelValues(policy, family).Set(float64(n))
 	}
 	s.p.Env.Status.Update(func(r *bus.Report) {
 		r.LastSync, r.Generation = now, plan.Generation
@@ -325,4 +340,28 @@ func staleFlows(family bus.Family, before map[netip.AddrPort][]netip.AddrPort, h
 		}
 	}
 	return bus.StaleFlows{Family: family, Now: now, Gone: gone}, true
+}
+
+// rulesWritten counts the rules each table's write carried, for
+// kubeproxy_sync_proxy_rules_iptables_last.
+func (w writes) rulesWritten() map[string]int {
+	n := make(map[string]int, len(w.tables))
+	for _, tw := range w.tables {
+		n[tw.table] = 0
+		for _, c := range tw.write {
+			n[tw.table] += ruleCount(c.Rules)
+		}
+	}
+	return n
+}
+
+// ruleCount counts the "-A CHAIN ..." lines of a chain's rules.
+func ruleCount(rules string) int {
+	n := 0
+	for line := range strings.Lines(rules) {
+		if strings.HasPrefix(line, "-A ") {
+			n++
+		}
+	}
+	return n
 }

@@ -547,7 +547,7 @@ func TestFailedCommitIsLeftToCoalesceToLog(t *testing.T) {
 		}
 	}
 	var m dto.Metric
-	if err := s.metrics.RestoreFailures.Write(&m); err != nil || m.GetCounter().GetValue() != 3 {
+	if err := s.metrics.RestoreFailures.WithLabelValues("IPv4").Write(&m); err != nil || m.GetCounter().GetValue() != 3 {
 		got := m.GetCounter().GetValue()
 		t.Errorf("restore failures = %v; want 3", got)
 	}

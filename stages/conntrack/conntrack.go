@@ -71,8 +71,8 @@ func (s *Stage) Run(ctx context.Context) error {
 			s.in.Requeue(flows)
 			return err
 		}
-		s.metrics.ConntrackDuration.Observe(time.Since(start).Seconds())
-		s.metrics.ConntrackDeleted.Add(float64(n))
+		s.metrics.ConntrackDuration.WithLabelValues(s.family.String()).Observe(time.Since(start).Seconds())
+		s.metrics.ConntrackDeleted.WithLabelValues(s.family.String()).Add(float64(n))
 		if n > 0 {
 			s.log.Info("cleared stale UDP flows", "family", s.family, "deleted", n)
 		}

@@ -30,11 +30,20 @@ func flow(proto uint8, client, dst, answerer string) ct.Flow {
 	return f
 }
 
-func counter(reg *prometheus.Registry, name string) float64 {
+// counter is the value of one ip_family's series of a counter, as kube-proxy
+// labels the conntrack reconciler's.
+func counter(reg *prometheus.Registry, name, family string) float64 {
 	mfs, _ := reg.Gather()
 	for _, mf := range mfs {
-		if mf.GetName() == name {
-			return mf.GetMetric()[0].GetCounter().GetValue()
+		if mf.GetName() != name {
+			continue
+		}
+		for _, m := range mf.GetMetric() {
+			for _, l := range m.GetLabel() {
+				if l.GetName() == "ip_family" && l.GetValue() == family {
+					return m.GetCounter().GetValue()
+				}
+			}
 		}
 	}
 	return 0
@@ -88,7 +97,7 @@ func TestStageClearsStaleUDPFlows(t *testing.T) {
 		defer cancel()
 		go func() {
 			deadline := time.Now().Add(5 * time.Second)
-			for time.Now().Before(deadline) && counter(reg, "kubeproxy_conntrack_reconciler_deleted_entries_total") < 4 {
+			for time.Now().Before(deadline) && counter(reg, "kubeproxy_conntrack_reconciler_deleted_entries_total", "IPv4") < 4 {
 				time.Sleep(10 * time.Millisecond)
 			}
 			time.Sleep(50 * time.Millisecond) // let a wrong extra deletion show
@@ -98,7 +107,7 @@ func TestStageClearsStaleUDPFlows(t *testing.T) {
 		if err := s.Run(ctx); err != nil {
 			t.Fatalf("Run = %v", err)
 		}
-		if n := counter(reg, "kubeproxy_conntrack_reconciler_deleted_entries_total"); n != 4 {
+		if n := counter(reg, "kubeproxy_conntrack_reconciler_deleted_entries_total", "IPv4"); n != 4 {
 			t.Errorf("deleted entries metric = %v; want 4", n)
 		}
 		left, err := conn.Dump(nil)

@@ -329,7 +329,7 @@ func TestMetricsListener(t *testing.T) {
 		MetricsAddr: "127.0.0.1:0",
 		Configz:     map[string]any{"mode": "iptables", "syncPeriod": "30s"},
 	}, stages)
-	hs.metrics.LastSync.Set(1234)
+	hs.metrics.LastSync.WithLabelValues("IPv4").Set(1234)
 	hs.run(t)
 	base := "http://" + hs.addr(t, metricsListener)
 
@@ -348,7 +348,7 @@ func TestMetricsListener(t *testing.T) {
 	if r.code != http.StatusOK {
 		t.Errorf("/metrics code %d", r.code)
 	}
-	if !strings.Contains(r.body, "kubeproxy_sync_proxy_rules_last_timestamp_seconds 1234") {
+	if !strings.Contains(r.body, `kubeproxy_sync_proxy_rules_last_timestamp_seconds{ip_family="IPv4"} 1234`) {
 		t.Errorf("/metrics lacks the registered gauge:\n%s", r.body)
 	}
 
