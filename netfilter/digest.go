@@ -149,27 +149,11 @@ const recvSize = 64 << 10
 // rules come in separate dumps; the ruleset generation, read before and after,
 // says whether they are of one ruleset, else it reads again.
 func (t Tool) netlinkDigests(ctx context.Context, table string, names []string) (map[string]uint64, error) {
-	conn, err := netlink.Dial(syscall.NETLINK_NETFILTER, nil)
-	if err != nil {
-		return nil, fmt.Errorf("nf_tables netlink: %w", err)
-	}
-	defer conn.Close()
-	raw, err := conn.SyscallConn()
+	n, done, err := t.openReader(ctx, table)
 	if err != nil {
 		return nil, err
 	}
-	// A deadline in the past wakes a blocked read when ctx ends.
-	stop := context.AfterFunc(ctx, func() { conn.SetDeadline(time.Unix(1, 0)) })
-	defer stop()
-	if deadline, ok := ctx.Deadline(); ok {
-		if err := conn.SetDeadline(deadline); err != nil {
-			return nil, err
-		}
-	}
-	n := &nftReader{conn: conn, raw: raw, buf: make([]byte, recvSize), family: nfprotoIPv4, table: table}
-	if t.Family == bus.IPv6 {
-		n.family = nfprotoIPv6
-	}
+	defer done()
 	for range readTries {
 		d, err := n.digests(names)
 		if ctx.Err() != nil {
@@ -180,6 +164,33 @@ func (t Tool) netlinkDigests(ctx context.Context, table string, names []string) 
 		}
 	}
 	return nil, fmt.Errorf("read %s over netlink: %w %d times", table, errChanged, readTries)
+}
+
+// openReader opens a netlink reader of table that ctx bounds; done closes it.
+func (t Tool) openReader(ctx context.Context, table string) (n *nftReader, done func(), err error) {
+	conn, err := netlink.Dial(syscall.NETLINK_NETFILTER, nil)
+	if err != nil {
+		return nil, nil, fmt.Errorf("nf_tables netlink: %w", err)
+	}
+	raw, err := conn.SyscallConn()
+	if err != nil {
+		conn.Close()
+		return nil, nil, err
+	}
+	// A deadline in the past wakes a blocked read when ctx ends.
+	stop := context.AfterFunc(ctx, func() { conn.SetDeadline(time.Unix(1, 0)) })
+	if deadline, ok := ctx.Deadline(); ok {
+		if err := conn.SetDeadline(deadline); err != nil {
+			stop()
+			conn.Close()
+			return nil, nil, err
+		}
+	}
+	n = &nftReader{conn: conn, raw: raw, buf: make([]byte, recvSize), family: nfprotoIPv4, table: table}
+	if t.Family == bus.IPv6 {
+		n.family = nfprotoIPv6
+	}
+	return n, func() { stop(); conn.Close() }, nil
 }
 
 // nftReader reads one nf_tables table of one family.
@@ -636,21 +647,11 @@ func (t Tool) ChainNames(ctx context.Context, table string) ([]string, error) {
 }
 
 func (t Tool) netlinkChainNames(ctx context.Context, table string) ([]string, error) {
-	conn, err := netlink.Dial(syscall.NETLINK_NETFILTER, nil)
-	if err != nil {
-		return nil, fmt.Errorf("nf_tables netlink: %w", err)
-	}
-	defer conn.Close()
-	raw, err := conn.SyscallConn()
+	n, done, err := t.openReader(ctx, table)
 	if err != nil {
 		return nil, err
 	}
-	stop := context.AfterFunc(ctx, func() { conn.SetDeadline(time.Unix(1, 0)) })
-	defer stop()
-	n := &nftReader{conn: conn, raw: raw, buf: make([]byte, recvSize), family: nfprotoIPv4, table: table}
-	if t.Family == bus.IPv6 {
-		n.family = nfprotoIPv6
-	}
+	defer done()
 	chains, err := n.chains(nil)
 	if err != nil {
 		return nil, err

@@ -22,6 +22,7 @@ import (
 	nf "github.com/kpipe/kpipe/netfilter"
 	"github.com/kpipe/kpipe/stages/canary"
 	"github.com/kpipe/kpipe/stages/commit"
+	"github.com/kpipe/kpipe/stages/commit/fakekernel"
 	"github.com/kpipe/kpipe/stages/conntrack"
 )
 
@@ -46,7 +47,7 @@ func TestBuildTreeProgramsAService(t *testing.T) {
 		}
 		return true, w, nil
 	})
-	kernel := newFakeKernel()
+	kernel := fakekernel.New()
 	var logs syncBuffer
 	o := defaultOptions()
 	o.HostnameOverride, o.HealthzBindAddress, o.MetricsBindAddress = "node-1", "127.0.0.1:0", "127.0.0.1:0"
@@ -110,7 +111,7 @@ func TestBuildTreeProgramsAService(t *testing.T) {
 	}
 	deadline := time.Now().Add(20 * time.Second)
 	for {
-		nat := kernel.rules(nf.TableNAT)
+		nat := kernel.Rules(nf.TableNAT)
 		if has(nat, "-d 10.96.0.10/32", "--dport 80", "-j KUBE-SVC-") && has(nat, "-j DNAT --to-destination 10.244.1.5:8080") {
 			break
 		}

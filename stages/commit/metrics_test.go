@@ -8,6 +8,7 @@ import (
 	dto "github.com/prometheus/client_model/go"
 
 	nf "github.com/kpipe/kpipe/netfilter"
+	"github.com/kpipe/kpipe/stages/commit/fakekernel"
 	"github.com/kpipe/kpipe/stages/render"
 )
 
@@ -46,7 +47,7 @@ func series(c prometheus.Collector) int {
 // everything in a full sync, one service's chains in a partial one, nothing when
 // nothing changed.
 func TestSyncMetricsPerFamily(t *testing.T) {
-	k := newFakeKernel()
+	k := fakekernel.New()
 	s := testStage(k)
 	m := s.metrics
 	stop := runStage(t, s)
@@ -94,7 +95,7 @@ func TestSyncMetricsPerFamily(t *testing.T) {
 // TestRestoreFailureMetrics: every failed commit counts as a restore failure of
 // its family; a failed partial one also as a partial restore failure.
 func TestRestoreFailureMetrics(t *testing.T) {
-	k := newFakeKernel()
+	k := fakekernel.New()
 	s := testStage(k)
 	m := s.metrics
 	stop := runStage(t, s)
@@ -103,7 +104,7 @@ func TestRestoreFailureMetrics(t *testing.T) {
 	s.p.In.Put(planOf(base, 1, true))
 	take(t, s.p.Results, "result")
 
-	k.beforeRestore = func(int, string) error { return errors.New("injected: restore failed") }
+	k.BeforeRestore = func(int, string) error { return errors.New("injected: restore failed") }
 	s.p.In.Put(planOf(with(base, nil, []string{"svc2"}, ""), 2, false))
 	if r := take(t, s.p.Results, "result"); r.OK {
 		t.Fatal("partial sync succeeded; want a failure")

@@ -17,6 +17,7 @@ import (
 
 	"github.com/kpipe/kpipe/bus"
 	nf "github.com/kpipe/kpipe/netfilter"
+	"github.com/kpipe/kpipe/stages/commit/fakekernel"
 	"github.com/kpipe/kpipe/stages/render"
 )
 
@@ -30,16 +31,16 @@ func planOf(st bus.State, gen uint64, full bool) *bus.Plan {
 // freshKernel is what a kpipe that never ran before writes for st.
 func freshKernel(t *testing.T, st bus.State) string {
 	t.Helper()
-	k := newFakeKernel()
+	k := fakekernel.New()
 	if err := testStage(k).apply(context.Background(), planOf(st, 1, true)); err != nil {
 		t.Fatal(err)
 	}
-	return k.dump()
+	return k.Dump()
 }
 
-func requireFresh(t *testing.T, k *fakeKernel, st bus.State, when string) {
+func requireFresh(t *testing.T, k *fakekernel.Kernel, st bus.State, when string) {
 	t.Helper()
-	want, got := freshKernel(t, st), k.dump()
+	want, got := freshKernel(t, st), k.Dump()
 	if got != want {
 		t.Fatalf("%s: the kernel is not what a fresh kpipe writes:\n%s", when, lineDiff(want, got))
 	}
@@ -107,7 +108,7 @@ func with(st bus.State, add []int, remove []string, shrink string) bus.State {
 // the resend was diffed against the last acknowledged commit, which equals the new
 // state, so nothing was written and the lost plan's rules stayed for an hour.
 func TestRestartAfterALostWrite(t *testing.T) {
-	k := newFakeKernel()
+	k := fakekernel.New()
 	ledger := NewLedger()
 	base := render.SyntheticState(20, 2)
 	first := testStage(k)
@@ -115,7 +116,7 @@ func TestRestartAfterALostWrite(t *testing.T) {
 	if err := first.apply(context.Background(), planOf(base, 1, true)); err != nil {
 		t.Fatal(err)
 	}
-	k.stallAfter = func(n int) bool { return true }
+	k.StallAfter = func(n int) bool { return true }
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)
 	lost := with(base, []int{100, 101}, []string{"svc3"}, "svc5")
@@ -125,7 +126,7 @@ func TestRestartAfterALostWrite(t *testing.T) {
 	if err := <-done; err == nil {
 		t.Fatal("apply returned nil after its context was cancelled mid-write")
 	}
-	k.stallAfter = nil
+	k.StallAfter = nil
 
 	restarted := testStage(k)
 	restarted.ledger = ledger
@@ -138,7 +139,7 @@ func TestRestartAfterALostWrite(t *testing.T) {
 // TestBatchCutShort: a large plan written in several restores fails in the
 // middle. The next (partial) plan must still leave exactly the fresh rules.
 func TestBatchCutShort(t *testing.T) {
-	k := newFakeKernel()
+	k := fakekernel.New()
 	s := testStage(k)
 	base := render.SyntheticState(20, 2)
 	if err := s.apply(context.Background(), planOf(base, 1, true)); err != nil {
@@ -146,7 +147,7 @@ func TestBatchCutShort(t *testing.T) {
 	}
 	big := largeState(maxChainsPerRestore/2 + 200)
 	calls := 0
-	k.beforeRestore = func(int, string) error {
+	k.BeforeRestore = func(int, string) error {
 		if calls++; calls == 2 {
 			return errors.New("injected: restore failed")
 		}
@@ -155,7 +156,7 @@ func TestBatchCutShort(t *testing.T) {
 	if err := s.apply(context.Background(), planOf(big, 2, false)); err == nil {
 		t.Fatal("the injected failure did not fail the commit")
 	}
-	k.beforeRestore = nil
+	k.BeforeRestore = nil
 	if err := s.apply(context.Background(), planOf(base, 3, false)); err != nil {
 		t.Fatal(err)
 	}
@@ -165,21 +166,21 @@ func TestBatchCutShort(t *testing.T) {
 // TestPartialSyncWritesOnlyWhatChanged: after a commit, a changed endpoint
 // rewrites only its service's chain; a deleted service deletes its chains.
 func TestPartialSyncWritesOnlyWhatChanged(t *testing.T) {
-	k := newFakeKernel()
+	k := fakekernel.New()
 	s := testStage(k)
 	base := render.SyntheticState(20, 2)
 	if err := s.apply(context.Background(), planOf(base, 1, true)); err != nil {
 		t.Fatal(err)
 	}
-	k.payloads = nil
+	k.Payloads = nil
 	shrunk := with(base, nil, nil, "svc5")
 	if err := s.apply(context.Background(), planOf(shrunk, 2, false)); err != nil {
 		t.Fatal(err)
 	}
-	if len(k.payloads) != 1 {
-		t.Fatalf("%d restores for one changed service; want 1", len(k.payloads))
+	if len(k.Payloads) != 1 {
+		t.Fatalf("%d restores for one changed service; want 1", len(k.Payloads))
 	}
-	declared := regexpDeclared(k.payloads[0])
+	declared := regexpDeclared(k.Payloads[0])
 	key := bus.ServiceKey{Namespace: "ns5", Name: "svc5"}
 	svc := shrunk.Services[key]
 	want := []string{nf.ServiceChain(nf.PrefixService, svc.PortName(svc.Ports[0])), nf.ServiceChain(nf.PrefixService, svc.PortName(svc.Ports[1]))}
@@ -189,18 +190,18 @@ func TestPartialSyncWritesOnlyWhatChanged(t *testing.T) {
 	}
 	requireFresh(t, k, shrunk, "after the partial sync")
 
-	k.payloads = nil
+	k.Payloads = nil
 	gone := with(shrunk, nil, []string{"svc5"}, "")
 	if err := s.apply(context.Background(), planOf(gone, 3, false)); err != nil {
 		t.Fatal(err)
 	}
 	requireFresh(t, k, gone, "after a service was deleted")
-	k.payloads = nil
+	k.Payloads = nil
 	if err := s.apply(context.Background(), planOf(gone, 4, false)); err != nil {
 		t.Fatal(err)
 	}
-	if len(k.payloads) != 0 {
-		t.Errorf("an unchanged state wrote:\n%s", k.payloads)
+	if len(k.Payloads) != 0 {
+		t.Errorf("an unchanged state wrote:\n%s", k.Payloads)
 	}
 }
 
@@ -220,24 +221,24 @@ func regexpDeclared(payload string) []string {
 // a bucket whose rules were changed by hand without changing their number (the
 // old check compared rule counts only), and rewrites them, and nothing else.
 func TestRefreshRepairsChangedContent(t *testing.T) {
-	k := newFakeKernel()
+	k := fakekernel.New()
 	s := testStage(k)
 	st := render.SyntheticState(20, 2)
 	if err := s.apply(context.Background(), planOf(st, 1, true)); err != nil {
 		t.Fatal(err)
 	}
 	bucket := nf.BucketChain(nf.Bucket(st.Services[bus.ServiceKey{Namespace: "ns0", Name: "svc0"}].ClusterIPs[0]))
-	k.mu.Lock()
-	k.tables[nf.TableNAT][bucket][0] = "-A " + bucket + " -d 10.96.0.0/32 -j " + nf.ChainMarkMasq
-	k.tables[nf.TableNAT][nf.ChainNodePorts] = append(k.tables[nf.TableNAT][nf.ChainNodePorts], "-A "+nf.ChainNodePorts+" -j "+nf.ChainMarkMasq)
-	k.tables[nf.TableFilter][nf.ChainForward][0] = "-A " + nf.ChainForward + " -j ACCEPT"
-	k.mu.Unlock()
-	k.payloads = nil
+	k.Mu.Lock()
+	k.Tables[nf.TableNAT][bucket][0] = "-A " + bucket + " -d 10.96.0.0/32 -j " + nf.ChainMarkMasq
+	k.Tables[nf.TableNAT][nf.ChainNodePorts] = append(k.Tables[nf.TableNAT][nf.ChainNodePorts], "-A "+nf.ChainNodePorts+" -j "+nf.ChainMarkMasq)
+	k.Tables[nf.TableFilter][nf.ChainForward][0] = "-A " + nf.ChainForward + " -j ACCEPT"
+	k.Mu.Unlock()
+	k.Payloads = nil
 	if err := s.apply(context.Background(), render.Render(fakeConfig, &bus.Snapshot{Generation: 2, State: st, Refresh: true})); err != nil {
 		t.Fatal(err)
 	}
 	requireFresh(t, k, st, "after the periodic sync")
-	if got, want := regexpDeclared(strings.Join(k.payloads, "")), []string{bucket, nf.ChainForward, nf.ChainNodePorts}; !slices.Equal(got, sorted(want)) {
+	if got, want := regexpDeclared(strings.Join(k.Payloads, "")), []string{bucket, nf.ChainForward, nf.ChainNodePorts}; !slices.Equal(got, sorted(want)) {
 		t.Errorf("periodic sync rewrote %v; want only the tampered %v", got, sorted(want))
 	}
 }
@@ -248,9 +249,9 @@ func sorted(s []string) []string { slices.Sort(s); return s }
 // programmed (a KUBE-SEP- chain per endpoint) deletes its chains a batch at a
 // time, referrers first, and only after kpipe's own rules are in place.
 func TestStaleChainsDeletedInBatchesAfterTheSwitch(t *testing.T) {
-	k := newFakeKernel()
+	k := fakekernel.New()
 	// kube-proxy's leftovers: 1500 services with 6 endpoint chains each.
-	nat := k.tables[nf.TableNAT]
+	nat := k.Tables[nf.TableNAT]
 	nat[nf.ChainMarkMasq] = nil
 	for i := range 1500 {
 		svc := fmt.Sprintf("%sOLD%013d", nf.PrefixService, i)
@@ -263,7 +264,7 @@ func TestStaleChainsDeletedInBatchesAfterTheSwitch(t *testing.T) {
 	}
 	st := render.SyntheticState(20, 2)
 	deletes, topWritten := []int{}, -1
-	k.beforeRestore = func(n int, payload string) error {
+	k.BeforeRestore = func(n int, payload string) error {
 		if strings.Contains(payload, ":"+nf.ChainServices+" ") {
 			topWritten = n
 		}
@@ -294,7 +295,7 @@ func TestStaleChainsDeletedInBatchesAfterTheSwitch(t *testing.T) {
 // and a new load balancer's KUBE-FW- chain is never reachable before the
 // KUBE-PROXY-FIREWALL DROP it relies on; nor a removed one's after the DROP went.
 func TestBatchedSyncNeverLeavesAGap(t *testing.T) {
-	k := newFakeKernel()
+	k := fakekernel.New()
 	s := testStage(k)
 	before := largeState(maxChainsPerRestore/2 + 200)
 	var losing, newLB, oldLB *bus.Service
@@ -327,7 +328,7 @@ func TestBatchedSyncNeverLeavesAGap(t *testing.T) {
 	oldFW := nf.ServiceChain(nf.PrefixFirewall, oldLB.PortName(oldLB.Ports[0]))
 	state := map[string]map[string][]string{}
 	gaps := 0
-	k.observe = func(table string, chains map[string][]string) {
+	k.Observe = func(table string, chains map[string][]string) {
 		state[table] = chains
 		nat, filter := state[nf.TableNAT], state[nf.TableFilter]
 		if nat == nil || filter == nil {
@@ -339,7 +340,7 @@ func TestBatchedSyncNeverLeavesAGap(t *testing.T) {
 		reject := anyRule(filter, func(r string) bool { return strings.Contains(r, "-d "+losingIP) && strings.HasSuffix(r, "-j REJECT") })
 		if !dnat && !reject {
 			gaps++
-			t.Errorf("after transaction %d (%s): %s has neither its DNAT nor its REJECT", k.blocks, table, losingIP)
+			t.Errorf("after transaction %d (%s): %s has neither its DNAT nor its REJECT", k.Blocks, table, losingIP)
 		}
 		for _, fw := range []struct {
 			chain string
@@ -351,7 +352,7 @@ func TestBatchedSyncNeverLeavesAGap(t *testing.T) {
 			})
 			if reached && !drop {
 				gaps++
-				t.Errorf("after transaction %d (%s): %s is reachable but KUBE-PROXY-FIREWALL has no DROP for %s", k.blocks, table, fw.chain, fw.ip)
+				t.Errorf("after transaction %d (%s): %s is reachable but KUBE-PROXY-FIREWALL has no DROP for %s", k.Blocks, table, fw.chain, fw.ip)
 			}
 		}
 	}
@@ -360,8 +361,8 @@ func TestBatchedSyncNeverLeavesAGap(t *testing.T) {
 	if err := s.apply(context.Background(), planOf(after, 2, true)); err != nil {
 		t.Fatal(err)
 	}
-	if k.restores < 3 {
-		t.Fatalf("the full sync took %d restores; the test needs a batched one", k.restores)
+	if k.Restores < 3 {
+		t.Fatalf("the full sync took %d restores; the test needs a batched one", k.Restores)
 	}
 	requireFresh(t, k, after, "after the batched full sync")
 }
@@ -381,29 +382,29 @@ func anyRule(chains map[string][]string, f func(string) bool) bool {
 // network (CVE-2020-8558) unless KUBE-FIREWALL drops what it must: commit sets it
 // only once the rule and the jumps into it are in the kernel.
 func TestRouteLocalnetAfterTheFirewall(t *testing.T) {
-	k := newFakeKernel()
+	k := fakekernel.New()
 	s := testStage(k)
 	s.localnetFirewall = true
 	cfg := fakeConfig
 	cfg.LocalhostNodePorts = true
-	k.beforeRestore = func(int, string) error { return errors.New("injected: iptables broken") }
+	k.BeforeRestore = func(int, string) error { return errors.New("injected: iptables broken") }
 	plan := render.Render(cfg, &bus.Snapshot{Generation: 1, State: render.SyntheticState(3, 1), Full: true})
 	if err := s.apply(context.Background(), plan); err == nil {
 		t.Fatal("injected failure did not fail the commit")
 	}
-	if slices.ContainsFunc(k.events, func(e string) bool { return strings.HasPrefix(e, "sysctl") }) {
-		t.Fatalf("route_localnet set although the firewall rule could not be written: %v", k.events)
+	if slices.ContainsFunc(k.Events, func(e string) bool { return strings.HasPrefix(e, "sysctl") }) {
+		t.Fatalf("route_localnet set although the firewall rule could not be written: %v", k.Events)
 	}
-	k.beforeRestore = nil
+	k.BeforeRestore = nil
 	if err := s.apply(context.Background(), plan); err != nil {
 		t.Fatal(err)
 	}
-	i := slices.Index(k.events, "sysctl net/ipv4/conf/all/route_localnet=1")
-	j := slices.Index(k.events, "jumps")
+	i := slices.Index(k.Events, "sysctl net/ipv4/conf/all/route_localnet=1")
+	j := slices.Index(k.Events, "jumps")
 	if i < 0 || j < 0 || i < j {
-		t.Fatalf("events %v; want the jumps ensured, then route_localnet set", k.events)
+		t.Fatalf("events %v; want the jumps ensured, then route_localnet set", k.Events)
 	}
-	if !anyRule(map[string][]string{"": k.tables[nf.TableFilter][nf.ChainLocalnetFirewall]}, func(r string) bool { return strings.HasSuffix(r, "-j DROP") }) {
+	if !anyRule(map[string][]string{"": k.Tables[nf.TableFilter][nf.ChainLocalnetFirewall]}, func(r string) bool { return strings.HasSuffix(r, "-j DROP") }) {
 		t.Error("no localnet DROP rule in KUBE-FIREWALL")
 	}
 }
@@ -439,7 +440,7 @@ func take[T any](t *testing.T, m *bus.Mailbox[T], what string) T {
 // the kernel has, so flows to a UDP service deleted across the restart are
 // cleared.
 func TestRunProtocol(t *testing.T) {
-	k := newFakeKernel()
+	k := fakekernel.New()
 	s := testStage(k)
 	out := s.p
 	stop := runStage(t, s)
@@ -450,7 +451,7 @@ func TestRunProtocol(t *testing.T) {
 		t.Error("commit did not ask for a resend at start")
 	}
 	st := render.SyntheticState(5, 1)
-	k.beforeRestore = func(int, string) error { return errors.New("injected: restore failed") }
+	k.BeforeRestore = func(int, string) error { return errors.New("injected: restore failed") }
 	s.p.In.Put(planOf(st, 7, true))
 	if r := take(t, out.Results, "result"); r.OK || r.Generation != 7 || r.Err == nil {
 		t.Fatalf("result of a failed restore = %+v; want not OK, generation 7, an error", r)
@@ -458,7 +459,7 @@ func TestRunProtocol(t *testing.T) {
 	if _, ok := out.HealthChecks.TryTake(); ok {
 		t.Error("health checks forwarded for a plan that failed")
 	}
-	k.beforeRestore = nil
+	k.BeforeRestore = nil
 	// Not marked full, but nothing was ever committed: it is written, and
 	// answered, as a full sync.
 	s.p.In.Put(planOf(st, 8, false))
@@ -494,7 +495,7 @@ func TestRunProtocol(t *testing.T) {
 // and when the last full one finished; a failure counts as an error and changes
 // none of them.
 func TestRunReportsSyncStatus(t *testing.T) {
-	k := newFakeKernel()
+	k := fakekernel.New()
 	board := bus.NewBoard()
 	s := testStageOn(k, board)
 	stop := runStage(t, s)
@@ -519,7 +520,7 @@ func TestRunReportsSyncStatus(t *testing.T) {
 	}
 	last := r.LastSync
 
-	k.beforeRestore = func(int, string) error { return errors.New("injected: restore failed") }
+	k.BeforeRestore = func(int, string) error { return errors.New("injected: restore failed") }
 	s.p.In.Put(planOf(st, 6, true))
 	take(t, s.p.Results, "result")
 	r = report()
@@ -532,14 +533,14 @@ func TestRunReportsSyncStatus(t *testing.T) {
 // failures metric, the stage's errors) and answered, but commit writes no log
 // record about it: coalesce logs it once, with the backoff it retries after.
 func TestFailedCommitIsLeftToCoalesceToLog(t *testing.T) {
-	k := newFakeKernel()
+	k := fakekernel.New()
 	board := bus.NewBoard()
 	s := testStageOn(k, board)
 	var records countingHandler
 	s.log = slog.New(&records)
 	stop := runStage(t, s)
 	defer stop()
-	k.beforeRestore = func(int, string) error { return errors.New("injected: restore failed") }
+	k.BeforeRestore = func(int, string) error { return errors.New("injected: restore failed") }
 	for gen := uint64(1); gen <= 3; gen++ {
 		s.p.In.Put(planOf(render.SyntheticState(2, 1), gen, true))
 		if r := take(t, s.p.Results, "result"); r.OK {

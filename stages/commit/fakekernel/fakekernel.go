@@ -1,4 +1,6 @@
-package commit
+// Package fakekernel is an in-memory netfilter for tests: it takes
+// iptables-restore payloads the way the kernel does and satisfies commit.Kernel.
+package fakekernel
 
 import (
 	"context"
@@ -12,44 +14,45 @@ import (
 	nf "github.com/kpipe/kpipe/netfilter"
 )
 
-// fakeKernel is an in-memory netfilter that takes iptables-restore payloads the
-// way the kernel does: each "*table ... COMMIT" block is one transaction, a rule
+// Kernel is an in-memory netfilter that takes iptables-restore payloads the way
+// the kernel does: each "*table ... COMMIT" block is one transaction, a rule
 // may only jump to a chain that exists, and a chain that another chain jumps to
 // cannot be deleted. Tests make it fail or stall on demand and watch every state
 // it goes through.
-type fakeKernel struct {
-	mu     sync.Mutex
-	tables map[string]map[string][]string // table → chain → "-A ..." lines
-	// restores counts Restore calls; blocks counts committed transactions.
-	restores, blocks int
-	payloads         []string
-	events           []string // "restore", "jumps", "sysctl ..."
-	// beforeRestore, if set, runs before a payload is applied; an error fails
+type Kernel struct {
+	Mu     sync.Mutex
+	Tables map[string]map[string][]string // table → chain → "-A ..." lines
+	// Restores counts Restore calls; Blocks counts committed transactions.
+	Restores, Blocks int
+	Payloads         []string
+	Events           []string // "restore", "jumps", "sysctl ..."
+	// BeforeRestore, if set, runs before a payload is applied; an error fails
 	// that Restore with nothing applied.
-	beforeRestore func(n int, payload string) error
-	// stallAfter, if set and true for a call, makes Restore wait for its context
+	BeforeRestore func(n int, payload string) error
+	// StallAfter, if set and true for a call, makes Restore wait for its context
 	// to end after the payload was applied: a commit killed after the kernel took
 	// the write but before it heard so.
-	stallAfter func(n int) bool
-	// observe, if set, is called with each committed state of a table.
-	observe func(table string, chains map[string][]string)
+	StallAfter func(n int) bool
+	// Observe, if set, is called with each committed state of a table.
+	Observe func(table string, chains map[string][]string)
 }
 
-func newFakeKernel() *fakeKernel {
-	return &fakeKernel{tables: map[string]map[string][]string{nf.TableNAT: {}, nf.TableFilter: {}}}
+// New makes an empty kernel with nat and filter tables.
+func New() *Kernel {
+	return &Kernel{Tables: map[string]map[string][]string{nf.TableNAT: {}, nf.TableFilter: {}}}
 }
 
 var builtinTargets = map[string]bool{"ACCEPT": true, "DROP": true, "REJECT": true, "RETURN": true, "DNAT": true,
 	"SNAT": true, "MASQUERADE": true, "MARK": true}
 
-func (k *fakeKernel) Restore(ctx context.Context, payload []byte) error {
-	k.mu.Lock()
-	k.restores++
-	n := k.restores
-	k.payloads = append(k.payloads, string(payload))
-	k.events = append(k.events, "restore")
-	before, stall := k.beforeRestore, k.stallAfter
-	k.mu.Unlock()
+func (k *Kernel) Restore(ctx context.Context, payload []byte) error {
+	k.Mu.Lock()
+	k.Restores++
+	n := k.Restores
+	k.Payloads = append(k.Payloads, string(payload))
+	k.Events = append(k.Events, "restore")
+	before, stall := k.BeforeRestore, k.StallAfter
+	k.Mu.Unlock()
 	if before != nil {
 		if err := before(n, string(payload)); err != nil {
 			return err
@@ -65,9 +68,9 @@ func (k *fakeKernel) Restore(ctx context.Context, payload []byte) error {
 	return ctx.Err()
 }
 
-func (k *fakeKernel) apply(payload string) error {
-	k.mu.Lock()
-	defer k.mu.Unlock()
+func (k *Kernel) apply(payload string) error {
+	k.Mu.Lock()
+	defer k.Mu.Unlock()
 	var table string
 	var work map[string][]string
 	for _, line := range strings.Split(payload, "\n") {
@@ -76,7 +79,7 @@ func (k *fakeKernel) apply(payload string) error {
 		case strings.HasPrefix(line, "*"):
 			table = line[1:]
 			work = map[string][]string{}
-			for c, r := range k.tables[table] {
+			for c, r := range k.Tables[table] {
 				work[c] = slices.Clone(r)
 			}
 		case strings.HasPrefix(line, ":"):
@@ -112,10 +115,10 @@ func (k *fakeKernel) apply(payload string) error {
 					}
 				}
 			}
-			k.tables[table] = work
-			k.blocks++
-			if k.observe != nil {
-				k.observe(table, work)
+			k.Tables[table] = work
+			k.Blocks++
+			if k.Observe != nil {
+				k.Observe(table, work)
 			}
 		default:
 			return fmt.Errorf("fake: cannot parse %q", line)
@@ -124,17 +127,17 @@ func (k *fakeKernel) apply(payload string) error {
 	return nil
 }
 
-func (k *fakeKernel) Save(_ context.Context, table string) (map[string][]string, error) {
-	k.mu.Lock()
-	defer k.mu.Unlock()
+func (k *Kernel) Save(_ context.Context, table string) (map[string][]string, error) {
+	k.Mu.Lock()
+	defer k.Mu.Unlock()
 	out := map[string][]string{}
-	for c, r := range k.tables[table] {
+	for c, r := range k.Tables[table] {
 		out[c] = slices.Clone(r)
 	}
 	return out, nil
 }
 
-func (k *fakeKernel) Digests(ctx context.Context, table string, names []string) (map[string]uint64, error) {
+func (k *Kernel) Digests(ctx context.Context, table string, names []string) (map[string]uint64, error) {
 	all, _ := k.Save(ctx, table)
 	out := map[string]uint64{}
 	for c, rules := range all {
@@ -147,34 +150,34 @@ func (k *fakeKernel) Digests(ctx context.Context, table string, names []string) 
 	return out, nil
 }
 
-func (k *fakeKernel) ChainNames(ctx context.Context, table string) ([]string, error) {
+func (k *Kernel) ChainNames(ctx context.Context, table string) ([]string, error) {
 	all, _ := k.Save(ctx, table)
 	return slices.Sorted(maps.Keys(all)), nil
 }
 
-func (k *fakeKernel) EnsureJumps(context.Context, []nf.Jump) error {
-	k.mu.Lock()
-	defer k.mu.Unlock()
-	k.events = append(k.events, "jumps")
+func (k *Kernel) EnsureJumps(context.Context, []nf.Jump) error {
+	k.Mu.Lock()
+	defer k.Mu.Unlock()
+	k.Events = append(k.Events, "jumps")
 	return nil
 }
 
-func (k *fakeKernel) WriteSysctl(name, value string) error {
-	k.mu.Lock()
-	defer k.mu.Unlock()
-	k.events = append(k.events, "sysctl "+name+"="+value)
+func (k *Kernel) WriteSysctl(name, value string) error {
+	k.Mu.Lock()
+	defer k.Mu.Unlock()
+	k.Events = append(k.Events, "sysctl "+name+"="+value)
 	return nil
 }
 
-// dump is the kernel's tables as sorted text, for comparing two kernels.
-func (k *fakeKernel) dump() string {
-	k.mu.Lock()
-	defer k.mu.Unlock()
+// Dump is the kernel's tables as sorted text, for comparing two kernels.
+func (k *Kernel) Dump() string {
+	k.Mu.Lock()
+	defer k.Mu.Unlock()
 	var b strings.Builder
-	for _, t := range slices.Sorted(maps.Keys(k.tables)) {
-		for _, c := range slices.Sorted(maps.Keys(k.tables[t])) {
+	for _, t := range slices.Sorted(maps.Keys(k.Tables)) {
+		for _, c := range slices.Sorted(maps.Keys(k.Tables[t])) {
 			fmt.Fprintf(&b, "%s :%s\n", t, c)
-			for _, r := range k.tables[t][c] {
+			for _, r := range k.Tables[t][c] {
 				b.WriteString(t + " " + r + "\n")
 			}
 		}
@@ -191,4 +194,15 @@ func target(rule string) string {
 		}
 	}
 	return ""
+}
+
+// Rules are the rules of every chain of table, chain by chain in name order.
+func (k *Kernel) Rules(table string) []string {
+	k.Mu.Lock()
+	defer k.Mu.Unlock()
+	var out []string
+	for _, c := range slices.Sorted(maps.Keys(k.Tables[table])) {
+		out = append(out, k.Tables[table][c]...)
+	}
+	return out
 }
