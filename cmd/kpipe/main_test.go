@@ -1,9 +1,7 @@
 package main
 
 import (
-	"io"
 	"net/netip"
-	"os"
 	"slices"
 	"strings"
 	"testing"
@@ -15,26 +13,10 @@ import (
 )
 
 // runCaptured runs the command line and returns its exit code and what it wrote to
-// stderr. It swaps os.Stderr, so tests that use it do not run in parallel.
+// stderr (see captureStderr).
 func runCaptured(t *testing.T, args ...string) (int, string) {
 	t.Helper()
-	r, w, err := os.Pipe()
-	if err != nil {
-		t.Fatal(err)
-	}
-	orig := os.Stderr
-	os.Stderr = w
-	out := make(chan string, 1)
-	go func() {
-		b, _ := io.ReadAll(r)
-		out <- string(b)
-	}()
-	code := func() int {
-		defer func() { os.Stderr = orig }()
-		return run(args)
-	}()
-	w.Close()
-	return code, <-out
+	return captureStderr(t, func() int { return run(args) })
 }
 
 func TestRunRejectsOtherProxyModes(t *testing.T) {
