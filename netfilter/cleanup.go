@@ -1,0 +1,135 @@
+package netfilter
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"os/exec"
+	"strings"
+	"time"
+)
+
+// fixedChains are, per table, the fixed chains kube-proxy's iptables mode (and
+// kpipe) create and that kube-proxy's --cleanup deletes. KUBE-FIREWALL is not
+// among them: kubelet owns one of that name too, so kube-proxy leaves it.
+var fixedChains = map[string][]string{
+	TableNAT:    {ChainServices, ChainNodePorts, ChainPostrouting, ChainMarkMasq, ChainCanary},
+	TableFilter: {ChainServices, ChainExternalServices, ChainForward, ChainNodePorts, ChainProxyFirewall, ChainCanary},
+	TableMangle: {ChainCanary},
+}
+
+// Cleanup removes what kube-proxy's iptables mode and kpipe programmed in this
+// family: the jumps from the built-in chains, then every chain they own (the
+// fixed ones and the per-service and dispatch chains), each table in one
+// iptables-restore --noflush. Nobody else's rules or chains are touched. It goes
+// on past a failure and returns all errors.
+func (t Tool) Cleanup(ctx context.Context) error {
+	var errs []error
+	existing := map[string]map[string]bool{}
+	for _, table := range []string{TableNAT, TableFilter, TableMangle} {
+		names, err := t.ChainNames(ctx, table)
+		if err != nil {
+			errs = append(errs, fmt.Errorf("list chains of %s: %w", table, err))
+			continue
+		}
+		existing[table] = map[string]bool{}
+		for _, n := range names {
+			existing[table][n] = true
+		}
+	}
+	for _, j := range Jumps(false) {
+		if existing[j.Table][j.To] {
+			errs = append(errs, t.deleteJump(ctx, j))
+		}
+	}
+	for _, table := range []string{TableNAT, TableFilter, TableMangle} {
+		if chains := ownedChains(table, existing[table]); len(chains) > 0 {
+			if err := t.Restore(ctx, deletePayload(table, chains)); err != nil {
+				errs = append(errs, fmt.Errorf("delete chains of %s: %w", table, err))
+			}
+		}
+	}
+	return errors.Join(errs...)
+}
+
+// deleteJump deletes j from its built-in chain; a jump that is not there is fine.
+func (t Tool) deleteJump(ctx context.Context, j Jump) error {
+	_, err := t.iptables(ctx, append([]string{"-t", j.Table, "-D", j.From}, j.spec()...)...)
+	if err == nil || notThere(err) {
+		return nil
+	}
+	return fmt.Errorf("delete jump %s/%s -> %s: %w", j.Table, j.From, j.To, err)
+}
+
+// ownedChains are the chains of table that Cleanup deletes, of those that exist.
+func ownedChains(table string, existing map[string]bool) []string {
+	var chains []string
+	for _, c := range fixedChains[table] {
+		if existing[c] {
+			chains = append(chains, c)
+		}
+	}
+	for c := range existing {
+		if KindOf(c).Disposable() {
+			chains = append(chains, c)
+		}
+	}
+	return chains
+}
+
+// deletePayload flushes chains (declaring them) and then deletes them, so that
+// chains jumping to each other go in one transaction.
+func deletePayload(table string, chains []string) []byte {
+	var b bytes.Buffer
+	fmt.Fprintf(&b, "*%s\n", table)
+	for _, c := range chains {
+		fmt.Fprintf(&b, ":%s - [0:0]\n", c)
+	}
+	for _, c := range chains {
+		fmt.Fprintf(&b, "-X %s\n", c)
+	}
+	b.WriteString("COMMIT\n")
+	return b.Bytes()
+}
+
+// nftBinary is the nft command line tool; a variable so tests can point it at a
+// missing binary.
+var nftBinary = "nft"
+
+// nftWait bounds one run of nft.
+const nftWait = 10 * time.Second
+
+// DeleteNFTablesKubeProxy deletes the nf_tables tables kube-proxy's nftables mode
+// creates ("ip kube-proxy" and "ip6 kube-proxy"), if they exist, so a node that
+// ran kube-proxy in nftables mode can switch to the iptables mode. It deletes
+// nothing else. With no nft installed there is nothing it could have made.
+func DeleteNFTablesKubeProxy(ctx context.Context) error {
+	if _, err := exec.LookPath(nftBinary); err != nil {
+		return nil
+	}
+	ctx, cancel := context.WithTimeout(ctx, nftWait)
+	defer cancel()
+	var errs []error
+	for _, family := range []string{"ip", "ip6"} {
+		if _, err := runNFT(ctx, "list", "table", family, "kube-proxy"); err != nil {
+			continue // not there (or no nf_tables at all)
+		}
+		if _, err := runNFT(ctx, "delete", "table", family, "kube-proxy"); err != nil {
+			errs = append(errs, err)
+		}
+	}
+	return errors.Join(errs...)
+}
+
+func runNFT(ctx context.Context, args ...string) ([]byte, error) {
+	cmd := exec.CommandContext(ctx, nftBinary, args...)
+	cmd.WaitDelay = time.Second
+	var stderr bytes.Buffer
+	cmd.Stderr = &stderr
+	out, err := cmd.Output()
+	if err != nil {
+		return out, fmt.Errorf("nft %s: %w: %s", strings.Join(args, " "), err, strings.TrimSpace(stderr.String()))
+	}
+	return out, nil
+}
