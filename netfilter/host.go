@@ -35,22 +35,36 @@ func SubscribeAddrs(done <-chan struct{}) (<-chan netlink.AddrUpdate, error) {
 	return ch, nil
 }
 
-// ReadSysctl reads a sysctl such as "net/netfilter/nf_conntrack_tcp_be_liberal".
-func ReadSysctl(name string) (string, error) {
-	b, err := os.ReadFile(filepath.Join("/proc/sys", name))
+// Sysctls reads and writes sysctls under Root: /proc/sys on a host (HostSysctls),
+// a directory of files in tests, which must not change the host's.
+type Sysctls struct{ Root string }
+
+// HostSysctls are this host's (and network namespace's) sysctls.
+var HostSysctls = Sysctls{Root: "/proc/sys"}
+
+// Read reads a sysctl such as "net/netfilter/nf_conntrack_tcp_be_liberal".
+func (s Sysctls) Read(name string) (string, error) {
+	b, err := os.ReadFile(filepath.Join(s.Root, name))
 	if err != nil {
 		return "", fmt.Errorf("read sysctl %s: %w", name, err)
 	}
 	return strings.TrimSpace(string(b)), nil
 }
 
-// WriteSysctl sets a sysctl if it does not have the value already.
-func WriteSysctl(name, value string) error {
-	if cur, err := ReadSysctl(name); err == nil && cur == value {
+// Write sets a sysctl if it does not have the value already (a sysctl that is
+// read-only here, but set, is then no error).
+func (s Sysctls) Write(name, value string) error {
+	if cur, err := s.Read(name); err == nil && cur == value {
 		return nil
 	}
-	if err := os.WriteFile(filepath.Join("/proc/sys", name), []byte(value), 0o644); err != nil {
+	if err := os.WriteFile(filepath.Join(s.Root, name), []byte(value), 0o644); err != nil {
 		return fmt.Errorf("set sysctl %s=%s: %w", name, value, err)
 	}
 	return nil
 }
+
+// ReadSysctl reads one of this host's sysctls.
+func ReadSysctl(name string) (string, error) { return HostSysctls.Read(name) }
+
+// WriteSysctl sets one of this host's sysctls if it does not have the value already.
+func WriteSysctl(name, value string) error { return HostSysctls.Write(name, value) }

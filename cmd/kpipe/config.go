@@ -144,6 +144,7 @@ func (o *Options) applyConfig(c *kubeproxy.KubeProxyConfiguration, fs *pflag.Fla
 	set("iptables-min-sync-period", func() { o.MinSyncPeriod = c.IPTables.MinSyncPeriod.Duration })
 	set("iptables-localhost-nodeports", func() { o.LocalhostNodePorts = *c.IPTables.LocalhostNodePorts })
 	set("feature-gates", func() { o.FeatureGates = c.FeatureGates })
+	o.applyConntrackConfig(c, set)
 	if !fs.Changed("log-format") && !fs.Changed("logging-format") && (c.Logging.Format == "json" || c.Logging.Format == "text") {
 		o.LogFormat = c.Logging.Format
 	}
@@ -151,6 +152,31 @@ func (o *Options) applyConfig(c *kubeproxy.KubeProxyConfiguration, fs *pflag.Fla
 		o.LogLevel = levelOfVerbosity(int(c.Logging.Verbosity))
 	}
 	return nil
+}
+
+// applyConntrackConfig sets the node set-up options from the file: kube-proxy's
+// defaults where a pointer field is unset, the file's value (zero included)
+// otherwise.
+func (o *Options) applyConntrackConfig(c *kubeproxy.KubeProxyConfiguration, set func(string, func())) {
+	ct, oc := &c.Conntrack, &o.Conntrack
+	if ct.MaxPerCore != nil {
+		set("conntrack-max-per-core", func() { oc.MaxPerCore = *ct.MaxPerCore })
+	}
+	if ct.Min != nil {
+		set("conntrack-min", func() { oc.Min = *ct.Min })
+	}
+	if ct.TCPEstablishedTimeout != nil {
+		set("conntrack-tcp-timeout-established", func() { oc.TCPEstablishedTimeout = ct.TCPEstablishedTimeout.Duration })
+	}
+	if ct.TCPCloseWaitTimeout != nil {
+		set("conntrack-tcp-timeout-close-wait", func() { oc.TCPCloseWaitTimeout = ct.TCPCloseWaitTimeout.Duration })
+	}
+	set("conntrack-tcp-be-liberal", func() { oc.TCPBeLiberal = ct.TCPBeLiberal })
+	set("conntrack-udp-timeout", func() { oc.UDPTimeout = ct.UDPTimeout.Duration })
+	set("conntrack-udp-timeout-stream", func() { oc.UDPStreamTimeout = ct.UDPStreamTimeout.Duration })
+	if c.OOMScoreAdj != nil {
+		set("oom-score-adj", func() { o.OOMScoreAdj = *c.OOMScoreAdj })
+	}
 }
 
 // levelOfVerbosity maps kube-proxy's klog verbosity onto kpipe's levels: kpipe's
@@ -184,6 +210,15 @@ func (o *Options) effectiveConfig() *kubeproxy.KubeProxyConfiguration {
 			SyncPeriod:         metav1.Duration{Duration: o.SyncPeriod}, MinSyncPeriod: metav1.Duration{Duration: o.MinSyncPeriod},
 		},
 	}
+	c.Conntrack = kubeproxy.KubeProxyConntrackConfiguration{
+		MaxPerCore: ptr.To(o.Conntrack.MaxPerCore), Min: ptr.To(o.Conntrack.Min),
+		TCPEstablishedTimeout: &metav1.Duration{Duration: o.Conntrack.TCPEstablishedTimeout},
+		TCPCloseWaitTimeout:   &metav1.Duration{Duration: o.Conntrack.TCPCloseWaitTimeout},
+		TCPBeLiberal:          o.Conntrack.TCPBeLiberal,
+		UDPTimeout:            metav1.Duration{Duration: o.Conntrack.UDPTimeout},
+		UDPStreamTimeout:      metav1.Duration{Duration: o.Conntrack.UDPStreamTimeout},
+	}
+	c.OOMScoreAdj = ptr.To(o.OOMScoreAdj)
 	c.ClientConnection.Kubeconfig = o.Kubeconfig
 	c.ClientConnection.QPS = o.KubeAPIQPS
 	c.ClientConnection.Burst = int32(o.KubeAPIBurst)

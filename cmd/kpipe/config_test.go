@@ -247,8 +247,7 @@ func TestKubeProxyCommandLineIsAccepted(t *testing.T) {
 	checkOptions(t, o, map[string]any{"HostnameOverride": "node-a", "Kubeconfig": "/kc", "KubeAPIQPS": float32(20), "KubeAPIBurst": 40,
 		"KubeAPIContentType": "application/json", "EnableDebugHandlers": true, "LogLevel": "info", "Master": "https://10.0.0.1:6443",
 		"FeatureGates": map[string]bool{"AllAlpha": false, "SomeGate": true}})
-	wantIgnored := []string{"conntrack-max-per-core", "conntrack-min", "conntrack-tcp-timeout-close-wait", "conntrack-tcp-timeout-established",
-		"conntrack-udp-timeout", "conntrack-udp-timeout-stream", "ipvs-exclude-cidrs", "ipvs-scheduler", "ipvs-strict-arp", "ipvs-sync-period", "oom-score-adj"}
+	wantIgnored := []string{"ipvs-exclude-cidrs", "ipvs-scheduler", "ipvs-strict-arp", "ipvs-sync-period"}
 	if !reflect.DeepEqual(o.ignoredGiven, wantIgnored) {
 		t.Errorf("ignored flags %q; want %q", o.ignoredGiven, wantIgnored)
 	}
@@ -279,11 +278,11 @@ func TestKubeProxyCommandLineErrors(t *testing.T) {
 		mention string
 	}{
 		{[]string{"--not-a-kube-proxy-flag"}, "not-a-kube-proxy-flag"},
-		{[]string{"--conntrack-min=lots"}, "conntrack-min"}, // ignored, but still parsed
+		{[]string{"--conntrack-min=lots"}, "conntrack-min"},
+		{[]string{"--oom-score-adj=-1001"}, "oom-score-adj"},
+		{[]string{"--conntrack-udp-timeout=-1s"}, "conntrack"},
 		{[]string{"--v=high"}, "v"},
 		{[]string{"--feature-gates=Gate=maybe"}, "feature-gates"},
-		{[]string{"--cleanup"}, "cleanup"},
-		{[]string{"--init-only"}, "init-only"},
 	} {
 		_, code, stderr := resolved(t, tt.args...)
 		if code != 2 || !strings.Contains(stderr, tt.mention) {

@@ -10,15 +10,11 @@ import (
 )
 
 var (
-	ignoredInt32Flags    = []string{"conntrack-max-per-core", "conntrack-min", "oom-score-adj"}
-	ignoredDurationFlags = []string{"conntrack-tcp-timeout-established", "conntrack-tcp-timeout-close-wait", "conntrack-udp-timeout", "conntrack-udp-timeout-stream",
-		"ipvs-sync-period", "ipvs-min-sync-period", "ipvs-tcp-timeout", "ipvs-tcpfin-timeout", "ipvs-udp-timeout", "config-sync-period", "log-flush-frequency"}
-	ignoredBoolFlags   = []string{"conntrack-tcp-be-liberal", "ipvs-strict-arp", "bind-address-hard-fail"}
+	ignoredInt32Flags    = []string{}
+	ignoredDurationFlags = []string{"ipvs-sync-period", "ipvs-min-sync-period", "ipvs-tcp-timeout", "ipvs-tcpfin-timeout", "ipvs-udp-timeout", "config-sync-period", "log-flush-frequency"}
+	ignoredBoolFlags   = []string{"ipvs-strict-arp", "bind-address-hard-fail"}
 	ignoredStringFlags = []string{"ipvs-scheduler", "show-hidden-metrics-for-version", "vmodule"}
 	ignoredSliceFlags  = []string{"ipvs-exclude-cidrs"}
-	// refusedFlags are kube-proxy's one-shot modes: ignoring them would leave a
-	// proxy running where an init step was meant to exit.
-	refusedFlags = []string{"cleanup", "init-only"}
 )
 
 // addKubeProxyFlags adds the flags of kube-proxy's command line that kpipe's own
@@ -37,9 +33,17 @@ func (o *Options) addKubeProxyFlags(fs *pflag.FlagSet) {
 	fs.Var(cliflag.NewMapStringBool(&o.FeatureGates), "feature-gates", "kube-proxy feature gates: accepted, and ignored (none changes the iptables mode kpipe implements).")
 	fs.IntVarP(&o.Verbosity, "v", "v", o.Verbosity, "kube-proxy's log verbosity: 0-3 is --log-level=info, 4 and more is debug (unless --log-level is given).")
 	fs.StringVar(&o.LogFormat, "logging-format", o.LogFormat, "kube-proxy's name for --log-format.")
-	for _, n := range refusedFlags {
-		fs.Bool(n, false, "kube-proxy's one-shot "+n+": kpipe does not implement it (an error).")
-	}
+	fs.BoolVar(&o.Cleanup, "cleanup", o.Cleanup, "Remove every rule and chain kube-proxy's iptables mode (or kpipe) made, and kube-proxy's nftables tables, then exit (1 if anything could not be removed).")
+	fs.BoolVar(&o.InitOnly, "init-only", o.InitOnly, "Set the node up (conntrack sysctls, OOM score) and exit.")
+	c := &o.Conntrack
+	fs.Int32Var(&c.MaxPerCore, "conntrack-max-per-core", c.MaxPerCore, "Conntrack entries per CPU core (nf_conntrack_max is this times the cores, at least --conntrack-min); 0 leaves nf_conntrack_max as it is.")
+	fs.Int32Var(&c.Min, "conntrack-min", c.Min, "The least nf_conntrack_max to set, whatever the cores.")
+	fs.DurationVar(&c.TCPEstablishedTimeout, "conntrack-tcp-timeout-established", c.TCPEstablishedTimeout, "Idle timeout of established TCP conntrack entries; 0 leaves it as it is.")
+	fs.DurationVar(&c.TCPCloseWaitTimeout, "conntrack-tcp-timeout-close-wait", c.TCPCloseWaitTimeout, "Timeout of TCP conntrack entries in CLOSE_WAIT; 0 leaves it as it is.")
+	fs.BoolVar(&c.TCPBeLiberal, "conntrack-tcp-be-liberal", c.TCPBeLiberal, "Make conntrack liberal about TCP packets out of window (nf_conntrack_tcp_be_liberal=1).")
+	fs.DurationVar(&c.UDPTimeout, "conntrack-udp-timeout", c.UDPTimeout, "Idle timeout of UNREPLIED UDP conntrack entries; 0 leaves it as it is.")
+	fs.DurationVar(&c.UDPStreamTimeout, "conntrack-udp-timeout-stream", c.UDPStreamTimeout, "Idle timeout of ASSURED UDP conntrack entries; 0 leaves it as it is.")
+	fs.Int32Var(&o.OOMScoreAdj, "oom-score-adj", o.OOMScoreAdj, "The oom_score_adj of the kpipe process, -1000 to 1000.")
 	// kube-proxy flags of other modes or of host settings: parsed (a bad value is
 	// still an error) and otherwise unused.
 	for _, n := range ignoredInt32Flags {
@@ -62,11 +66,6 @@ func (o *Options) addKubeProxyFlags(fs *pflag.FlagSet) {
 // resolve merges the configuration file (if any) under the flags given on the
 // command line, and maps --v onto the log level.
 func (o *Options) resolve(fs *pflag.FlagSet) error {
-	for _, n := range refusedFlags {
-		if fs.Changed(n) {
-			return usagef("--%s is kube-proxy's one-shot mode: kpipe does not implement it", n)
-		}
-	}
 	if o.ConfigFile != "" {
 		c, err := loadConfigFile(o.ConfigFile)
 		if err != nil {

@@ -41,6 +41,12 @@ type Options struct {
 	Master              string        `json:"master"`
 	BindAddress         string        `json:"bindAddress"`
 	FeatureGates        map[string]bool
+	Conntrack           ConntrackOptions `json:"conntrack"`
+	OOMScoreAdj         int32            `json:"oomScoreAdj"`
+	// Cleanup and InitOnly are kube-proxy's one-shot modes: remove the rules and
+	// exit, or set the node up and exit.
+	Cleanup  bool
+	InitOnly bool
 	ConfigFile          string
 	WriteConfigTo       string
 	Verbosity           int
@@ -66,7 +72,22 @@ func defaultOptions() *Options {
 		KubeAPIBurst:       10,
 		KubeAPIContentType: "application/vnd.kubernetes.protobuf",
 		BindAddress:        "0.0.0.0",
+		Conntrack: ConntrackOptions{MaxPerCore: 32768, Min: 131072,
+			TCPEstablishedTimeout: 24 * time.Hour, TCPCloseWaitTimeout: time.Hour},
+		OOMScoreAdj: -999,
 	}
+}
+
+// ConntrackOptions are kube-proxy's conntrack settings, written to the node's
+// sysctls at start-up (zero leaves a sysctl as it is).
+type ConntrackOptions struct {
+	MaxPerCore            int32
+	Min                   int32
+	TCPEstablishedTimeout time.Duration
+	TCPCloseWaitTimeout   time.Duration
+	TCPBeLiberal          bool
+	UDPTimeout            time.Duration
+	UDPStreamTimeout      time.Duration
 }
 
 func (o *Options) addFlags(fs *pflag.FlagSet) {
@@ -121,6 +142,12 @@ func (o *Options) complete() error {
 	}
 	if o.MasqueradeBit < 0 || o.MasqueradeBit > 31 {
 		return usagef("--iptables-masquerade-bit must be 0 to 31, got %d", o.MasqueradeBit)
+	}
+	if o.OOMScoreAdj < -1000 || o.OOMScoreAdj > 1000 {
+		return usagef("--oom-score-adj must be -1000 to 1000, got %d", o.OOMScoreAdj)
+	}
+	if c := o.Conntrack; c.MaxPerCore < 0 || c.Min < 0 || c.TCPEstablishedTimeout < 0 || c.TCPCloseWaitTimeout < 0 || c.UDPTimeout < 0 || c.UDPStreamTimeout < 0 {
+		return usagef("--conntrack-* settings must not be negative, got %+v", c)
 	}
 	o.clusterCIDRs = nil
 	for _, c := range strings.Split(o.ClusterCIDR, ",") {

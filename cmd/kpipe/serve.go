@@ -24,6 +24,16 @@ import (
 // leaves every rule in place: a restarted kpipe takes them over.
 func serve(ctx context.Context, o *Options) error {
 	log := newLogger(os.Stderr, o.LogFormat, o.LogLevel)
+	if o.Cleanup {
+		return cleanup(ctx, log)
+	}
+	// Node set-up comes before realDeps, which reads the conntrack sysctls.
+	setUpNode(o, realNodeHost, log)
+	removeNFTablesMode(ctx, log)
+	if o.InitOnly {
+		log.Info("node set up (--init-only); exiting")
+		return nil
+	}
 	d, err := realDeps(o, log)
 	if err != nil {
 		return err
