@@ -12,9 +12,9 @@ import (
 var (
 	ignoredInt32Flags    = []string{}
 	ignoredDurationFlags = []string{"ipvs-sync-period", "ipvs-min-sync-period", "ipvs-tcp-timeout", "ipvs-tcpfin-timeout", "ipvs-udp-timeout", "config-sync-period", "log-flush-frequency"}
-	ignoredBoolFlags   = []string{"ipvs-strict-arp", "bind-address-hard-fail"}
-	ignoredStringFlags = []string{"ipvs-scheduler", "show-hidden-metrics-for-version", "vmodule"}
-	ignoredSliceFlags  = []string{"ipvs-exclude-cidrs"}
+	ignoredBoolFlags     = []string{"ipvs-strict-arp", "bind-address-hard-fail"}
+	ignoredStringFlags   = []string{"ipvs-scheduler", "show-hidden-metrics-for-version", "vmodule"}
+	ignoredSliceFlags    = []string{"ipvs-exclude-cidrs"}
 )
 
 // addKubeProxyFlags adds the flags of kube-proxy's command line that kpipe's own

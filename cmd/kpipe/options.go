@@ -45,15 +45,15 @@ type Options struct {
 	OOMScoreAdj         int32            `json:"oomScoreAdj"`
 	// Cleanup and InitOnly are kube-proxy's one-shot modes: remove the rules and
 	// exit, or set the node up and exit.
-	Cleanup  bool
-	InitOnly bool
-	ConfigFile          string
-	WriteConfigTo       string
-	Verbosity           int
-	ignoredGiven        []string
-	clusterCIDRs        []netip.Prefix
-	nodePortCIDRs       []netip.Prefix
-	nodePortPrimary     bool
+	Cleanup         bool
+	InitOnly        bool
+	ConfigFile      string
+	WriteConfigTo   string
+	Verbosity       int
+	ignoredGiven    []string
+	clusterCIDRs    []netip.Prefix
+	nodePortCIDRs   []netip.Prefix
+	nodePortPrimary bool
 }
 
 func defaultOptions() *Options {
