@@ -10,7 +10,6 @@ import (
 )
 
 var (
-	ignoredInt32Flags    = []string{}
 	ignoredDurationFlags = []string{"ipvs-sync-period", "ipvs-min-sync-period", "ipvs-tcp-timeout", "ipvs-tcpfin-timeout", "ipvs-udp-timeout", "config-sync-period", "log-flush-frequency"}
 	ignoredBoolFlags     = []string{"ipvs-strict-arp", "bind-address-hard-fail"}
 	ignoredStringFlags   = []string{"ipvs-scheduler", "show-hidden-metrics-for-version", "vmodule"}
@@ -46,9 +45,6 @@ func (o *Options) addKubeProxyFlags(fs *pflag.FlagSet) {
 	fs.Int32Var(&o.OOMScoreAdj, "oom-score-adj", o.OOMScoreAdj, "The oom_score_adj of the kpipe process, -1000 to 1000.")
 	// kube-proxy flags of other modes or of host settings: parsed (a bad value is
 	// still an error) and otherwise unused.
-	for _, n := range ignoredInt32Flags {
-		fs.Int32(n, 0, "Accepted for kube-proxy compatibility and ignored.")
-	}
 	for _, n := range ignoredDurationFlags {
 		fs.Duration(n, 0, "Accepted for kube-proxy compatibility and ignored.")
 	}
@@ -85,7 +81,7 @@ func (o *Options) resolve(fs *pflag.FlagSet) error {
 // ignoredGiven names the ignored flags given on the command line, sorted.
 func ignoredGiven(fs *pflag.FlagSet) []string {
 	var names []string
-	for _, group := range [][]string{ignoredInt32Flags, ignoredDurationFlags, ignoredBoolFlags, ignoredStringFlags, ignoredSliceFlags} {
+	for _, group := range [][]string{ignoredDurationFlags, ignoredBoolFlags, ignoredStringFlags, ignoredSliceFlags} {
 		for _, n := range group {
 			if fs.Changed(n) {
 				names = append(names, n)
