@@ -1,0 +1,174 @@
+package e2e
+
+import (
+	"errors"
+	"os/exec"
+	"strings"
+	"testing"
+	"time"
+
+	corev1 "k8s.io/api/core/v1"
+
+	"github.com/kpipe/kpipe/e2e/testbed"
+	nf "github.com/kpipe/kpipe/netfilter"
+)
+
+// runKpipeOnce runs the kpipe binary in the node's namespace with args (a
+// one-shot mode) and returns its exit code and output.
+func runKpipeOnce(t *testing.T, args ...string) (int, string) {
+	t.Helper()
+	if kpipeErr != nil {
+		t.Fatalf("kpipe unavailable: %v", kpipeErr)
+	}
+	cmd := exec.Command("ip", append([]string{"netns", "exec", tb.NodeNS, tb.Kpipe().Bin}, args...)...)
+	done := make(chan struct{})
+	timer := time.AfterFunc(time.Minute, func() {
+		select {
+		case <-done:
+		default:
+			_ = cmd.Process.Kill() // a one-shot mode that runs on is a failure, not a hang
+		}
+	})
+	defer timer.Stop()
+	out, err := cmd.CombinedOutput()
+	close(done)
+	var exit *exec.ExitError
+	switch {
+	case err == nil:
+		return 0, string(out)
+	case errors.As(err, &exit):
+		return exit.ExitCode(), string(out)
+	}
+	t.Fatalf("run kpipe %q: %v", args, err)
+	return -1, ""
+}
+
+// leftovers lists, for both families, the chains of kpipe or kube-proxy and the
+// jumps into KUBE-* chains left in the node's nat, filter and mangle tables
+// (kubelet's KUBE-FIREWALL and KUBE-KUBELET-CANARY are not theirs).
+func leftovers(t *testing.T) []string {
+	t.Helper()
+	var left []string
+	for _, save := range []string{"iptables-save", "ip6tables-save"} {
+		for _, table := range []string{"nat", "filter", "mangle"} {
+			out, err := tb.Exec(tb.NodeNS, save, "-t", table)
+			if err != nil {
+				t.Fatalf("%s -t %s: %v", save, table, err)
+			}
+			for _, l := range strings.Split(out, "\n") {
+				fields := strings.Fields(l)
+				switch {
+				case strings.HasPrefix(l, ":") && kpipeChain(fields[0][1:]):
+					left = append(left, save+" "+table+" chain "+fields[0][1:])
+				case strings.HasPrefix(l, "-A ") && !strings.HasPrefix(fields[1], "KUBE-") && strings.Contains(l, "-j KUBE-") &&
+					!strings.HasSuffix(l, "-j KUBE-FIREWALL") && !strings.HasSuffix(l, "-j KUBE-KUBELET-CANARY"):
+					left = append(left, save+" "+table+" rule "+l)
+				}
+			}
+		}
+	}
+	return left
+}
+
+// kpipeChain says whether --cleanup must delete chain: kube-proxy's --cleanup
+// leaves KUBE-FIREWALL, which kubelet owns too.
+func kpipeChain(chain string) bool {
+	if chain == nf.ChainLocalnetFirewall {
+		return false
+	}
+	return chain == nf.ChainCanary || nf.KindOf(chain) != nf.KindOther
+}
+
+// kpipe --cleanup, run on a node kpipe has programmed, removes every chain and
+// jump of kpipe's (kube-proxy's) in both families, exits 0, and leaves another
+// agent's chain and rule alone; service addresses are then no longer proxied.
+// Running it again finds nothing and exits 0 too.
+func TestCleanupRemovesKpipeRules(t *testing.T) {
+	e := setup(t)
+	svc := e.create(typed(e.ns, "np", corev1.ServiceTypeNodePort, testbed.Port("tcp", corev1.ProtocolTCP, 80, testbed.EchoPort)))
+	e.endpoints(svc, 1, 2)
+	addr := testbed.ClusterAddr(svc, 80)
+	expectExactly(t, "TCP ClusterIP from a pod, before", tcp2, tb.Pod(clientPod).NS, addr, podIPs(1, 2))
+
+	foreign := [][]string{
+		{"iptables", "-w", "-t", "nat", "-N", "CNI-HOSTPORT-DNAT"},
+		{"iptables", "-w", "-t", "nat", "-A", "CNI-HOSTPORT-DNAT", "-p", "tcp", "--dport", "8080", "-j", "RETURN"},
+		{"iptables", "-w", "-t", "nat", "-A", "PREROUTING", "-m", "addrtype", "--dst-type", "LOCAL", "-j", "CNI-HOSTPORT-DNAT"},
+	}
+	for _, c := range foreign {
+		if out, err := tb.Exec(tb.NodeNS, c...); err != nil {
+			t.Fatalf("%q: %v %s", c, err, out)
+		}
+	}
+	t.Cleanup(func() {
+		_, _ = tb.Exec(tb.NodeNS, "iptables", "-w", "-t", "nat", "-D", "PREROUTING", "-m", "addrtype", "--dst-type", "LOCAL", "-j", "CNI-HOSTPORT-DNAT")
+		_, _ = tb.Exec(tb.NodeNS, "iptables", "-w", "-t", "nat", "-F", "CNI-HOSTPORT-DNAT")
+		_, _ = tb.Exec(tb.NodeNS, "iptables", "-w", "-t", "nat", "-X", "CNI-HOSTPORT-DNAT")
+	})
+
+	e.restoreKpipeAtEnd() // kpipe comes back with the test bed's defaults
+	if err := e.k.Stop(); err != nil {
+		t.Fatalf("stop kpipe: %v", err)
+	}
+	if left := leftovers(t); len(left) == 0 {
+		t.Fatal("no kpipe chains before --cleanup: the check below could not fail")
+	}
+	for run := 1; run <= 2; run++ {
+		code, out := runKpipeOnce(t, "--cleanup")
+		if code != 0 {
+			t.Fatalf("kpipe --cleanup (run %d): exit %d:\n%s", run, code, out)
+		}
+		if left := leftovers(t); len(left) > 0 {
+			t.Errorf("after --cleanup (run %d), left:\n%s", run, strings.Join(left, "\n"))
+		}
+	}
+	nat := e.iptablesSave("nat")
+	for _, want := range []string{":CNI-HOSTPORT-DNAT", "-A CNI-HOSTPORT-DNAT -p tcp -m tcp --dport 8080 -j RETURN", "-A PREROUTING -m addrtype --dst-type LOCAL -j CNI-HOSTPORT-DNAT"} {
+		if !strings.Contains(nat, want) {
+			t.Errorf("--cleanup removed another agent's %q; nat now:\n%s", want, nat)
+		}
+	}
+	eventuallyDropped(t, "TCP ClusterIP from a pod, after --cleanup", tcp1, tb.Pod(clientPod).NS, addr)
+}
+
+const establishedSysctl = "/proc/sys/net/netfilter/nf_conntrack_tcp_timeout_established"
+
+// kpipe --init-only sets the node up and exits 0 without proxying: the conntrack
+// timeout it is given is in the node's namespace (nf_conntrack_max, global, can
+// not be set from a namespace: a warning, not a failure), and kube-proxy's
+// nftables-mode tables are gone while other nftables tables stay.
+func TestInitOnlySetsUpTheNode(t *testing.T) {
+	setup(t)
+	before, err := tb.Exec(tb.NodeNS, "cat", establishedSysctl)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		_, _ = tb.Exec(tb.NodeNS, "sh", "-c", "echo "+strings.TrimSpace(before)+" > "+establishedSysctl)
+		_, _ = tb.Exec(tb.NodeNS, "nft", "delete", "table", "ip", "kpipetest-other")
+		_, _ = tb.Exec(tb.NodeNS, "nft", "delete", "table", "ip", "kube-proxy")
+	})
+	for _, c := range [][]string{{"add", "table", "ip", "kube-proxy"}, {"add", "chain", "ip", "kube-proxy", "services"}, {"add", "table", "ip", "kpipetest-other"}} {
+		if out, err := tb.Exec(tb.NodeNS, append([]string{"nft"}, c...)...); err != nil {
+			t.Fatalf("nft %q: %v %s", c, err, out)
+		}
+	}
+	start := time.Now()
+	code, out := runKpipeOnce(t, "--init-only", "--kubeconfig="+tb.Kubeconfig, "--hostname-override="+testbed.NodeName,
+		"--conntrack-tcp-timeout-established=1234s", "--conntrack-max-per-core=1000000")
+	if code != 0 {
+		t.Fatalf("kpipe --init-only: exit %d:\n%s", code, out)
+	}
+	t.Logf("kpipe --init-only exited 0 after %v", since(start))
+	got, err := tb.Exec(tb.NodeNS, "cat", establishedSysctl)
+	if err != nil || strings.TrimSpace(got) != "1234" {
+		t.Errorf("%s = %q (%v); want 1234", establishedSysctl, got, err)
+	}
+	tables, err := tb.Exec(tb.NodeNS, "nft", "list", "tables")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if strings.Contains(tables, "table ip kube-proxy") || !strings.Contains(tables, "table ip kpipetest-other") {
+		t.Errorf("nftables tables after --init-only:\n%s\nwant ip kube-proxy gone and ip kpipetest-other kept", tables)
+	}
+}
