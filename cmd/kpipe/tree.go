@@ -15,6 +15,7 @@ import (
 	"github.com/kpipe/kpipe/stages/coalesce"
 	"github.com/kpipe/kpipe/stages/commit"
 	"github.com/kpipe/kpipe/stages/conntrack"
+	"github.com/kpipe/kpipe/stages/events"
 	"github.com/kpipe/kpipe/stages/health"
 	"github.com/kpipe/kpipe/stages/render"
 	"github.com/kpipe/kpipe/stages/watch"
@@ -75,6 +76,9 @@ func buildTree(o *Options, d deps) *supervise.Supervisor {
 		WatchAddrs: len(o.nodePortCIDRs) > 0, Env: envs.For(bus.Watch)}).Run
 	r.coalesce = coalesce.NewStage(coalesce.Params{Config: coalesce.Config{MinSyncPeriod: o.MinSyncPeriod, SyncPeriod: o.SyncPeriod, Burst: 2},
 		In: changes, Replay: replay, Families: coalesceIO, Env: envs.For(bus.Coalesce)}).Run
+	broadcaster, recorder := events.NewRecorder(d.client)
+	r.events = events.NewStage(events.Params{Broadcaster: broadcaster, Recorder: recorder, Node: o.HostnameOverride,
+		Families: d.families(), Board: board, Env: envs.For(events.Name)}).Run
 	r.canary = canary.NewStage(canary.Params{Interval: o.CanaryInterval, Resync: resync, Tools: d.canaries, Env: envs.For(bus.Canary)}).Run
 
 	var root *supervise.Supervisor
@@ -111,6 +115,7 @@ type treeRunners struct {
 	watch, coalesce runner
 	families        []familyRunners
 	canary, health  runner
+	events          runner // nil: no events stage
 }
 
 // arrange puts the stages under their supervisors; opts gives a supervisor's
@@ -119,10 +124,11 @@ type treeRunners struct {
 //	kpipe (one_for_one)
 //	├── pipeline (rest_for_one): watch, coalesce, families (one_for_one)
 //	│                                              └── ipv4, ipv6 (rest_for_one): render, commit
-//	├── side (one_for_one, never gives up): conntrack-ipv4, conntrack-ipv6, canary
+//	├── side (one_for_one, never gives up): conntrack-ipv4, conntrack-ipv6, canary, events
 //	└── health
 //
-// The side stages only help the rules (stale UDP flows, flushed tables): their
+// The side stages only help the rules (stale UDP flows, flushed tables) or report
+// on them (events on the Node): their
 // failures restart them alone, show on /healthz and in kpipe_stage_restarts_total,
 // and never restart the rule path or stop the process.
 func arrange(r treeRunners, opts func(supervise.Strategy) supervise.Options) *supervise.Supervisor {
@@ -133,6 +139,9 @@ func arrange(r treeRunners, opts func(supervise.Strategy) supervise.Options) *su
 		side = append(side, leaf(bus.Conntrack.Of(f.family), f.conntrack))
 	}
 	side = append(side, leaf(bus.Canary, r.canary))
+	if r.events != nil {
+		side = append(side, leaf(events.Name, r.events))
+	}
 	sideOpts := opts(supervise.OneForOne)
 	sideOpts.NeverEscalate = true
 	return supervise.Tree("kpipe", opts(supervise.OneForOne),
@@ -149,6 +158,9 @@ func leaf(name bus.StageName, run runner) supervise.Child { return supervise.Lea
 // sideStages names the stages of the side supervisor.
 func (r treeRunners) sideStages() []bus.StageName {
 	out := []bus.StageName{bus.Canary}
+	if r.events != nil {
+		out = append(out, events.Name)
+	}
 	for _, f := range r.families {
 		out = append(out, bus.Conntrack.Of(f.family))
 	}

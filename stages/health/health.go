@@ -7,7 +7,6 @@ package health
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"log/slog"
 	"maps"
@@ -39,6 +38,10 @@ type Config struct {
 	// Configz is served as JSON at /configz, under kube-proxy's configz key
 	// ("kubeproxy.config.k8s.io"), as kube-proxy serves its configuration.
 	Configz any
+	// BindHardFail (kube-proxy's bindAddressHardFail) makes a healthz or metrics
+	// port that cannot be bound fail Run; without it the stage retries binding in
+	// the background, with backoff, while everything else keeps running.
+	BindHardFail bool
 }
 
 const (
@@ -47,6 +50,10 @@ const (
 	shutdownGrace = 5 * time.Second
 	// readHeaderTimeout guards every server against slow-header clients.
 	readHeaderTimeout = 30 * time.Second
+	// bindRetry and maxBindRetry bound the backoff between attempts to bind a
+	// listener whose port is taken.
+	bindRetry    = time.Second
+	maxBindRetry = 30 * time.Second
 )
 
 // Health is the health stage. Make it with New; Run may be called again after it
@@ -68,6 +75,9 @@ type Health struct {
 	started time.Time
 	now     func() time.Time
 	grace   time.Duration
+	// bindRetry is the first wait before binding a taken port again (doubling up
+	// to maxBindRetry).
+	bindRetry time.Duration
 
 	// latest holds the last HealthChecks taken per family; it outlives a Run so a
 	// restarted Run reopens the servers the mailbox no longer holds. Only Run touches it.
@@ -118,20 +128,21 @@ func New(p Params) *Health {
 		families = []bus.Family{bus.IPv4}
 	}
 	return &Health{
-		cfg:      cfg,
-		families: families,
-		timeout:  2 * period,
-		board:    board,
-		gatherer: p.Gatherer,
-		metrics:  p.Env.Metrics,
-		checks:   p.Checks,
-		stages:   p.Stages,
-		log:      log,
-		started:  time.Now(),
-		now:      time.Now,
-		grace:    shutdownGrace,
-		latest:   map[bus.Family]bus.HealthChecks{},
-		bound:    map[string]net.Addr{},
+		cfg:       cfg,
+		families:  families,
+		timeout:   2 * period,
+		board:     board,
+		gatherer:  p.Gatherer,
+		metrics:   p.Env.Metrics,
+		checks:    p.Checks,
+		stages:    p.Stages,
+		log:       log,
+		started:   time.Now(),
+		now:       time.Now,
+		grace:     shutdownGrace,
+		bindRetry: bindRetry,
+		latest:    map[bus.Family]bus.HealthChecks{},
+		bound:     map[string]net.Addr{},
 	}
 }
 
@@ -160,67 +171,44 @@ func (h *Health) setBound(name string, a net.Addr) {
 }
 
 // Run serves until ctx ends (then shuts the servers down gracefully, closes every
-// healthCheckNodePort listener and returns nil) or the healthz or metrics listener
-// fails (then returns the error). Every port is released when it returns.
+// healthCheckNodePort listener and returns nil) or a serving healthz or metrics
+// listener fails (then returns the error). A port that cannot be bound fails Run
+// only with BindHardFail; otherwise it is retried in the background. Every port is
+// released when Run returns.
 func (h *Health) Run(ctx context.Context) error {
 	if ctx.Err() != nil {
 		return nil
 	}
-	var (
-		wg      sync.WaitGroup
-		servers []*http.Server
-		lns     []net.Listener
-		names   []string
-	)
+	ctx, cancel := context.WithCancel(ctx)
+	var wg sync.WaitGroup
 	errc := make(chan error, 2)
 	hc := newServiceServers(h, &wg)
-
 	defer func() {
-		// Graceful first; whatever is still running after the grace period is cut.
-		sctx, cancel := context.WithTimeout(context.Background(), h.grace)
-		defer cancel()
-		for i, srv := range servers {
-			if err := srv.Shutdown(sctx); err != nil {
-				h.log.Warn("graceful shutdown cut short", "listener", names[i], "err", err)
-				_ = srv.Close()
-			}
-		}
-		for _, ln := range lns {
-			_ = ln.Close() // already closed by Shutdown unless Serve never started
-		}
+		cancel() // stops the listeners, which shut their servers down gracefully
 		hc.closeAll()
 		wg.Wait()
-		for _, n := range names {
-			h.setBound(n, nil)
-		}
 	}()
 
-	serve := func(name, addr string, handler http.Handler) error {
-		ln, err := (&net.ListenConfig{}).Listen(ctx, "tcp", addr)
+	listeners := []struct {
+		name, addr string
+		handler    func() http.Handler
+	}{
+		{healthzListener, h.cfg.HealthzAddr, h.healthzMux},
+		{metricsListener, h.cfg.MetricsAddr, h.metricsMux},
+	}
+	for _, l := range listeners {
+		if l.addr == "" {
+			continue
+		}
+		ln, err := h.listen(ctx, l.name, l.addr)
 		if err != nil {
-			return fmt.Errorf("listen for %s on %s: %w", name, addr, err)
-		}
-		srv := &http.Server{Handler: handler, ReadHeaderTimeout: readHeaderTimeout,
-			ErrorLog: slog.NewLogLogger(h.log.Handler(), slog.LevelWarn)}
-		servers, lns, names = append(servers, srv), append(lns, ln), append(names, name)
-		h.setBound(name, ln.Addr())
-		h.log.Info("serving", "listener", name, "addr", ln.Addr().String())
-		wg.Go(func() {
-			if err := srv.Serve(ln); err != nil && !errors.Is(err, http.ErrServerClosed) {
-				errc <- fmt.Errorf("serve %s on %s: %w", name, addr, err)
+			if h.cfg.BindHardFail {
+				return err
 			}
-		})
-		return nil
-	}
-	if h.cfg.HealthzAddr != "" {
-		if err := serve(healthzListener, h.cfg.HealthzAddr, h.healthzMux()); err != nil {
-			return err
+			h.log.Warn("cannot bind; retrying in the background", "listener", l.name, "err", err)
 		}
-	}
-	if h.cfg.MetricsAddr != "" {
-		if err := serve(metricsListener, h.cfg.MetricsAddr, h.metricsMux()); err != nil {
-			return err
-		}
+		handler := l.handler()
+		wg.Go(func() { h.serveListener(ctx, l.name, l.addr, ln, handler, errc) })
 	}
 
 	// Reopen what a previous Run served, then follow the mailbox.
@@ -245,5 +233,51 @@ func (h *Health) Run(ctx context.Context) error {
 				hc.sync(h.latest)
 			}
 		}
+	}
+}
+
+func (h *Health) listen(ctx context.Context, name, addr string) (net.Listener, error) {
+	ln, err := (&net.ListenConfig{}).Listen(ctx, "tcp", addr)
+	if err != nil {
+		return nil, fmt.Errorf("listen for %s on %s: %w", name, addr, err)
+	}
+	return ln, nil
+}
+
+// serveListener serves handler on ln until ctx ends, then shuts the server down
+// gracefully. A nil ln is bound first, retried with backoff until it succeeds or
+// ctx ends. A serve error goes to errc.
+func (h *Health) serveListener(ctx context.Context, name, addr string, ln net.Listener, handler http.Handler, errc chan<- error) {
+	for wait := h.bindRetry; ln == nil; wait = min(2*wait, maxBindRetry) {
+		select {
+		case <-ctx.Done():
+			return
+		case <-time.After(wait):
+		}
+		var err error
+		if ln, err = h.listen(ctx, name, addr); err != nil {
+			h.log.Warn("cannot bind; retrying", "listener", name, "err", err, "retryIn", min(2*wait, maxBindRetry))
+		}
+	}
+	srv := &http.Server{Handler: handler, ReadHeaderTimeout: readHeaderTimeout,
+		ErrorLog: slog.NewLogLogger(h.log.Handler(), slog.LevelWarn)}
+	h.setBound(name, ln.Addr())
+	defer h.setBound(name, nil)
+	h.log.Info("serving", "listener", name, "addr", ln.Addr().String())
+	served := make(chan error, 1)
+	go func() { served <- srv.Serve(ln) }()
+	select {
+	case err := <-served:
+		_ = ln.Close()
+		errc <- fmt.Errorf("serve %s on %s: %w", name, addr, err)
+	case <-ctx.Done():
+		// Graceful first; whatever is still running after the grace period is cut.
+		sctx, cancelShutdown := context.WithTimeout(context.Background(), h.grace)
+		defer cancelShutdown()
+		if err := srv.Shutdown(sctx); err != nil {
+			h.log.Warn("graceful shutdown cut short", "listener", name, "err", err)
+			_ = srv.Close()
+		}
+		<-served
 	}
 }

@@ -484,7 +484,55 @@ func TestRunReleasesPorts(t *testing.T) {
 	}
 }
 
-func TestRunListenError(t *testing.T) {
+// TestRunRetriesBindInBackground: without BindHardFail a listener whose port is
+// taken does not stop the stage; it binds and serves once the port is freed, and the
+// other listener serves meanwhile.
+func TestRunRetriesBindInBackground(t *testing.T) {
+	busy, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	metricsAddr := busy.Addr().String()
+	hs := newHarness(t, Config{HealthzAddr: "127.0.0.1:0", MetricsAddr: metricsAddr}, nil)
+	hs.h.bindRetry = 20 * time.Millisecond
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	done := make(chan error, 1)
+	go func() { done <- hs.h.Run(ctx) }()
+	healthzURL := "http://" + hs.addr(t, healthzListener) + "/healthz"
+	// The stage keeps running and serving healthz while the metrics port is taken.
+	for range 10 {
+		select {
+		case err := <-done:
+			t.Fatalf("Run returned %v with the metrics port taken; want it to keep retrying", err)
+		case <-time.After(50 * time.Millisecond):
+		}
+		if _, err := tryGet(healthzURL); err != nil {
+			t.Fatalf("healthz not served while metrics retries: %v", err)
+		}
+		if a := hs.h.boundAddr(metricsListener); a != nil {
+			t.Fatalf("metrics bound to %v while the port is taken", a)
+		}
+	}
+	busy.Close()
+	eventually(t, func() bool {
+		r, err := tryGet("http://" + metricsAddr + "/metrics")
+		return err == nil && r.code == http.StatusOK
+	}, "metrics served after the port was freed")
+	cancel()
+	select {
+	case err := <-done:
+		if err != nil {
+			t.Fatalf("Run = %v after cancel", err)
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("Run did not return after cancel")
+	}
+}
+
+// TestRunListenErrorHardFail: with BindHardFail (kube-proxy's bindAddressHardFail)
+// a taken port makes Run fail, releasing the listener it had bound.
+func TestRunListenErrorHardFail(t *testing.T) {
 	busy, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		t.Fatal(err)
@@ -492,7 +540,7 @@ func TestRunListenError(t *testing.T) {
 	defer busy.Close()
 	// healthz binds first, so Run must release it when metrics fails.
 	healthz := hcAddr(freePort(t))
-	hs := newHarness(t, Config{HealthzAddr: healthz, MetricsAddr: busy.Addr().String()}, nil)
+	hs := newHarness(t, Config{HealthzAddr: healthz, MetricsAddr: busy.Addr().String(), BindHardFail: true}, nil)
 	done := make(chan error, 1)
 	go func() { done <- hs.h.Run(context.Background()) }()
 	select {

@@ -1,0 +1,150 @@
+// Package events is the events stage: it records kube-proxy's events on this
+// node's Node (events.k8s.io/v1, in namespace "default", reported by "kube-proxy"
+// so dashboards and `kubectl events` filters made for kube-proxy match): a Normal
+// "Starting" event when the process starts, and a Warning when a family's rules
+// keep failing to sync.
+package events
+
+import (
+	"context"
+	"fmt"
+	"log/slog"
+	"time"
+
+	corev1 "k8s.io/api/core/v1"
+	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/kubernetes/scheme"
+	"k8s.io/client-go/tools/events"
+
+	"github.com/kpipe/kpipe/bus"
+)
+
+// Name is the stage's name (supervisor leaf, log attribute, board entry).
+const Name bus.StageName = "events"
+
+// The reasons and actions of the events, as kube-proxy spells them where it has one.
+const (
+	ReportingController = "kube-proxy"
+	ReasonStarting      = "Starting" // kube-proxy's start event
+	ActionStart         = "StartKubeProxy"
+	// ReasonSyncFailed has no kube-proxy counterpart (kube-proxy only logs failed
+	// syncs): a Warning after FailedSyncs commits of a family failed in a row.
+	ReasonSyncFailed = "SyncProxyRulesFailed"
+	ActionSync       = "SyncProxyRules"
+	// ReasonSetupFailed: a node set-up step failed (see RecordSetupFailure).
+	ReasonSetupFailed = "NodeSetupFailed"
+	ActionSetup       = "SetUpNode"
+)
+
+const (
+	// FailedSyncs is how many failed commits in a row make a Warning.
+	FailedSyncs = 3
+	// pollInterval is how often the board is read for failing commits.
+	pollInterval = time.Second
+)
+
+// NewRecorder makes kube-proxy's recorder: an events.k8s.io/v1 broadcaster writing
+// to client, and a recorder reporting as "kube-proxy". The broadcaster sends
+// nothing until the stage's Run starts it.
+func NewRecorder(client kubernetes.Interface) (events.EventBroadcaster, events.EventRecorder) {
+	b := events.NewBroadcaster(&events.EventSinkImpl{Interface: client.EventsV1()})
+	return b, b.NewRecorder(scheme.Scheme, ReportingController)
+}
+
+// NodeRef is the object kube-proxy's events are about: the Node, with its name as
+// UID, as kube-proxy refers to it.
+func NodeRef(node string) *corev1.ObjectReference {
+	return &corev1.ObjectReference{Kind: "Node", Name: node, UID: types.UID(node)}
+}
+
+// RecordSetupFailure records a Warning that the node set-up step failed.
+func RecordSetupFailure(rec events.EventRecorder, node string, step string, err error) {
+	rec.Eventf(NodeRef(node), nil, corev1.EventTypeWarning, ReasonSetupFailed, ActionSetup, "%s: %v", step, err)
+}
+
+// Params wire the events stage.
+type Params struct {
+	Broadcaster events.EventBroadcaster
+	Recorder    events.EventRecorder
+	Node        string
+	// Families are the families whose commit stages are watched on Board.
+	Families []bus.Family
+	Board    *bus.Board
+	Env      bus.Env
+}
+
+// Stage is the events stage. Run may be called again after it returns (the
+// supervisor's restart); the Starting event is recorded by the first Run only.
+type Stage struct {
+	p       Params
+	log     *slog.Logger
+	started bool
+	streaks map[bus.Family]*streak
+	poll    time.Duration
+}
+
+// streak follows one family's failed commits since its last successful one.
+type streak struct {
+	lastSync     time.Time
+	errorsAtSync uint64 // the commit stage's error count when lastSync was seen
+	warned       bool   // a Warning was recorded for this streak
+}
+
+// NewStage makes the events stage.
+func NewStage(p Params) *Stage {
+	log := p.Env.Log
+	if log == nil {
+		log = slog.New(slog.DiscardHandler)
+	}
+	if p.Board == nil {
+		p.Board = bus.NewBoard()
+	}
+	s := &Stage{p: p, log: log, streaks: map[bus.Family]*streak{}, poll: pollInterval}
+	for _, f := range p.Families {
+		s.streaks[f] = &streak{}
+	}
+	return s
+}
+
+// Run sends the recorded events to the apiserver until ctx ends, records Starting
+// (first Run), and warns of families whose commits keep failing.
+func (s *Stage) Run(ctx context.Context) error {
+	if err := s.p.Broadcaster.StartRecordingToSinkWithContext(ctx); err != nil {
+		return fmt.Errorf("start recording events: %w", err)
+	}
+	if !s.started {
+		s.started = true
+		s.p.Recorder.Eventf(NodeRef(s.p.Node), nil, corev1.EventTypeNormal, ReasonStarting, ActionStart, "")
+	}
+	t := time.NewTicker(s.poll)
+	defer t.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return nil
+		case <-t.C:
+			s.checkSyncs()
+		}
+	}
+}
+
+// checkSyncs records a Warning for each family whose commits failed FailedSyncs
+// times in a row, once per streak of failures.
+func (s *Stage) checkSyncs() {
+	reports := s.p.Board.Read()
+	for _, f := range s.p.Families {
+		r, st := reports[bus.Commit.Of(f)], s.streaks[f]
+		if !r.LastSync.Equal(st.lastSync) {
+			st.lastSync, st.errorsAtSync, st.warned = r.LastSync, r.Errors, false
+		}
+		failed := r.Errors - st.errorsAtSync
+		if failed < FailedSyncs || st.warned {
+			continue
+		}
+		st.warned = true
+		s.log.Warn("rules keep failing to sync; recording a Warning event", "family", f, "failures", failed, "err", r.LastError)
+		s.p.Recorder.Eventf(NodeRef(s.p.Node), nil, corev1.EventTypeWarning, ReasonSyncFailed, ActionSync,
+			"%s rules failed to sync %d times in a row: %s", f, failed, r.LastError)
+	}
+}
