@@ -122,6 +122,7 @@ func (o *Options) applyConfig(c *kubeproxy.KubeProxyConfiguration, fs *pflag.Fla
 	set("kube-api-content-type", func() { o.KubeAPIContentType = c.ClientConnection.ContentType })
 	set("hostname-override", func() { o.HostnameOverride = c.HostnameOverride })
 	set("bind-address", func() { o.BindAddress = c.BindAddress })
+	set("bind-address-hard-fail", func() { o.BindAddressHardFail = c.BindAddressHardFail })
 	set("healthz-bind-address", func() { o.HealthzBindAddress = c.HealthzBindAddress })
 	set("metrics-bind-address", func() { o.MetricsBindAddress = c.MetricsBindAddress })
 	if !fs.Changed("enable-debug-handlers") && !fs.Changed("profiling") {
@@ -192,18 +193,19 @@ func levelOfVerbosity(v int) string {
 // effectiveConfig is the configuration kpipe runs with, in the v1alpha1 shape.
 func (o *Options) effectiveConfig() *kubeproxy.KubeProxyConfiguration {
 	c := &kubeproxy.KubeProxyConfiguration{
-		TypeMeta:           metav1.TypeMeta{APIVersion: kubeproxy.SchemeGroupVersion.String(), Kind: "KubeProxyConfiguration"},
-		FeatureGates:       o.FeatureGates,
-		HostnameOverride:   o.HostnameOverride,
-		BindAddress:        o.BindAddress,
-		HealthzBindAddress: o.HealthzBindAddress,
-		MetricsBindAddress: o.MetricsBindAddress,
-		EnableProfiling:    o.EnableDebugHandlers,
-		Mode:               kubeproxy.ProxyMode(o.ProxyMode),
-		DetectLocalMode:    kubeproxy.LocalMode(o.DetectLocalMode),
-		DetectLocal:        kubeproxy.DetectLocalConfiguration{BridgeInterface: o.PodBridgeInterface, InterfaceNamePrefix: o.PodInterfaceprefix},
-		ClusterCIDR:        o.ClusterCIDR,
-		NodePortAddresses:  o.NodePortAddresses,
+		TypeMeta:            metav1.TypeMeta{APIVersion: kubeproxy.SchemeGroupVersion.String(), Kind: "KubeProxyConfiguration"},
+		FeatureGates:        o.FeatureGates,
+		HostnameOverride:    o.HostnameOverride,
+		BindAddress:         o.BindAddress,
+		BindAddressHardFail: o.BindAddressHardFail,
+		HealthzBindAddress:  o.HealthzBindAddress,
+		MetricsBindAddress:  o.MetricsBindAddress,
+		EnableProfiling:     o.EnableDebugHandlers,
+		Mode:                kubeproxy.ProxyMode(o.ProxyMode),
+		DetectLocalMode:     kubeproxy.LocalMode(o.DetectLocalMode),
+		DetectLocal:         kubeproxy.DetectLocalConfiguration{BridgeInterface: o.PodBridgeInterface, InterfaceNamePrefix: o.PodInterfaceprefix},
+		ClusterCIDR:         o.ClusterCIDR,
+		NodePortAddresses:   o.NodePortAddresses,
 		IPTables: kubeproxy.KubeProxyIPTablesConfiguration{
 			MasqueradeBit: ptr.To(int32(o.MasqueradeBit)), MasqueradeAll: o.MasqueradeAll,
 			LocalhostNodePorts: ptr.To(o.LocalhostNodePorts),

@@ -11,7 +11,7 @@ import (
 
 var (
 	ignoredDurationFlags = []string{"ipvs-sync-period", "ipvs-min-sync-period", "ipvs-tcp-timeout", "ipvs-tcpfin-timeout", "ipvs-udp-timeout", "config-sync-period", "log-flush-frequency"}
-	ignoredBoolFlags     = []string{"ipvs-strict-arp", "bind-address-hard-fail"}
+	ignoredBoolFlags     = []string{"ipvs-strict-arp"}
 	ignoredStringFlags   = []string{"ipvs-scheduler", "show-hidden-metrics-for-version", "vmodule"}
 	ignoredSliceFlags    = []string{"ipvs-exclude-cidrs"}
 )
@@ -25,6 +25,7 @@ func (o *Options) addKubeProxyFlags(fs *pflag.FlagSet) {
 	fs.StringVar(&o.WriteConfigTo, "write-config-to", o.WriteConfigTo, "Write the effective configuration to this file and exit.")
 	fs.StringVar(&o.Master, "master", o.Master, "The address of the apiserver (overrides the kubeconfig's).")
 	fs.StringVar(&o.BindAddress, "bind-address", o.BindAddress, "kube-proxy's bind address: accepted; in a --config file an IPv6 one makes the default health and metrics addresses IPv6.")
+	fs.BoolVar(&o.BindAddressHardFail, "bind-address-hard-fail", o.BindAddressHardFail, "Stop if the healthz or metrics port cannot be bound; otherwise binding is retried in the background.")
 	fs.Float32Var(&o.KubeAPIQPS, "kube-api-qps", o.KubeAPIQPS, "Queries per second to the apiserver.")
 	fs.IntVar(&o.KubeAPIBurst, "kube-api-burst", o.KubeAPIBurst, "Burst of queries to the apiserver.")
 	fs.StringVar(&o.KubeAPIContentType, "kube-api-content-type", o.KubeAPIContentType, "Content type of requests to the apiserver.")

@@ -40,6 +40,7 @@ type Options struct {
 	KubeAPIContentType  string        `json:"contentType"`
 	Master              string        `json:"master"`
 	BindAddress         string        `json:"bindAddress"`
+	BindAddressHardFail bool          `json:"bindAddressHardFail"`
 	FeatureGates        map[string]bool
 	Conntrack           ConntrackOptions `json:"conntrack"`
 	OOMScoreAdj         int32            `json:"oomScoreAdj"`
