@@ -3,7 +3,6 @@ package e2e
 import (
 	"fmt"
 	"slices"
-	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -68,7 +67,10 @@ func TestFreshKpipeComparisonSeesAHandDeletedRule(t *testing.T) {
 	e, svc, addr, client := answeringEcho(t)
 	requireLikeFresh(t, "before the deletion", 20*time.Second)
 
-	// Delete the last rule of the service's KUBE-SVC- chain by hand.
+	// Delete the first rule of the service's KUBE-SVC- chain by hand: the
+	// masquerade rule for traffic from outside the cluster, so that the pods'
+	// traffic still reaches every endpoint (deleting an endpoint's rule would
+	// leave a 50 % branch that DNATs nowhere).
 	nat := e.iptablesSave("nat")
 	chain := ""
 	for _, l := range rulesMatching(nat, "-A KUBE-SVC-", testbed.ServiceComment(e.ns, svc.Name, "http")) {
@@ -78,8 +80,11 @@ func TestFreshKpipeComparisonSeesAHandDeletedRule(t *testing.T) {
 		t.Fatalf("no KUBE-SVC- chain for %s/%s:\n%s", e.ns, svc.Name, filterRules(nat, e.ns+"/"))
 	}
 	rules := rulesMatching(nat, "-A "+chain+" ")
-	deleted := rules[len(rules)-1]
-	if _, err := tb.Exec(tb.NodeNS, "iptables", "-w", "-t", "nat", "-D", chain, strconv.Itoa(len(rules))); err != nil {
+	deleted := rules[0]
+	if !strings.HasSuffix(deleted, "-j KUBE-MARK-MASQ") {
+		t.Fatalf("the first rule of %s is not its masquerade rule: %s", chain, deleted)
+	}
+	if _, err := tb.Exec(tb.NodeNS, "iptables", "-w", "-t", "nat", "-D", chain, "1"); err != nil {
 		t.Fatal(err)
 	}
 	t.Logf("deleted by hand: %s", deleted)
@@ -95,7 +100,7 @@ func TestFreshKpipeComparisonSeesAHandDeletedRule(t *testing.T) {
 	}
 	diff := testbed.Diff(want, got, "fresh kpipe", "node")
 	t.Logf("diff:\n%s", diff)
-	for _, s := range []string{"chain ipv4 nat " + chain + ": rules differ", "  - [" + strconv.Itoa(len(rules)) + "] " + deleted} {
+	for _, s := range []string{"chain ipv4 nat " + chain + ": rules differ", "  - [1] " + deleted} {
 		if !strings.Contains(diff, s) {
 			t.Fatalf("the comparison with a fresh kpipe does not show the deleted rule (want %q in the diff)", s)
 		}
