@@ -142,9 +142,10 @@ func parseMetrics(text string) map[string]float64 {
 // IP family it runs).
 const SyncMetric = "kubeproxy_sync_proxy_rules_last_timestamp_seconds"
 
-// WaitSyncedAfter waits until every IP family kube-proxy runs has made a
-// successful sync at or after since (whole seconds, as the metric has them).
-func (kp *KubeProxy) WaitSyncedAfter(since time.Time, timeout time.Duration) error {
+// WaitSyncedAfter waits until every IP family kube-proxy runs (or only those
+// given, "IPv4" or "IPv6": a change to a single-stack Service syncs only its
+// family) has made a successful sync after since.
+func (kp *KubeProxy) WaitSyncedAfter(since time.Time, timeout time.Duration, families ...string) error {
 	deadline := time.Now().Add(timeout)
 	last := "no answer yet"
 	for {
@@ -155,11 +156,12 @@ func (kp *KubeProxy) WaitSyncedAfter(since time.Time, timeout time.Duration) err
 			return fmt.Errorf("kube-proxy exited: %v\n--- kube-proxy log (%s):\n%s", kp.proc.ExitErr(), kp.LogPath, kp.LogTail(40))
 		}
 		samples, err := kp.Metric(SyncMetric)
+		samples = ofFamilies(samples, families)
 		switch {
 		case err != nil:
 			last = err.Error()
-		case len(samples) == 0:
-			last = "no " + SyncMetric + " yet"
+		case len(samples) == 0 || len(families) > len(samples):
+			last = fmt.Sprintf("no %s of %v yet", SyncMetric, families)
 		default:
 			var synced bool
 			if synced, last = syncedSince(samples, since); synced {
@@ -174,11 +176,28 @@ func (kp *KubeProxy) WaitSyncedAfter(since time.Time, timeout time.Duration) err
 }
 
 func syncedSince(samples map[string]float64, since time.Time) (bool, string) {
-	floor := float64(since.Unix())
+	floor := float64(since.UnixNano()) / 1e9
 	for k, v := range samples {
 		if v < floor {
 			return false, fmt.Sprintf("%s = %v, before %v", k, v, floor)
 		}
 	}
 	return true, ""
+}
+
+// ofFamilies keeps the samples labelled with one of families (all when none
+// is given).
+func ofFamilies(samples map[string]float64, families []string) map[string]float64 {
+	if len(families) == 0 {
+		return samples
+	}
+	out := map[string]float64{}
+	for k, v := range samples {
+		for _, f := range families {
+			if strings.Contains(k, `ip_family="`+f+`"`) {
+				out[k] = v
+			}
+		}
+	}
+	return out
 }
