@@ -2,6 +2,7 @@ package e2e
 
 import (
 	"fmt"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -228,4 +229,66 @@ func isBucketName(name string) bool {
 	}
 	num, _, ok := strings.Cut(rest, "-")
 	return ok && num != "" && strings.Trim(num, "0123456789") == ""
+}
+
+// missingFrom lists the items of got that want does not have.
+func missingFrom(got, want []string) []string {
+	var out []string
+	for _, g := range got {
+		if !slices.Contains(want, g) {
+			out = append(out, g)
+		}
+	}
+	return out
+}
+
+// TestSwapThenKubeProxyCleanup: after kpipe → kube-proxy, `kube-proxy
+// --cleanup` leaves in either family no KUBE- chain that it does not leave
+// when it ran alone (its KUBE-FIREWALL, shared with kubelet); then kpipe takes
+// the node back with its defaults.
+func TestSwapThenKubeProxyCleanup(t *testing.T) {
+	e, _, addr, client := answeringEcho(t)
+	if err := e.k.Stop(); err != nil {
+		t.Logf("kpipe stopped (exit: %v)", err)
+	}
+	kp := e.startKubeProxy()
+	if err := kp.Stop(); err != nil {
+		t.Fatalf("stop kube-proxy: %v", err)
+	}
+	if before := kubeChains(t, "iptables-save"); len(before) < 10 {
+		t.Fatalf("only %v before --cleanup: the check below could not fail", before)
+	}
+	if out, err := kp.Cleanup(); err != nil {
+		t.Fatalf("kube-proxy --cleanup: %v\n%s", err, out)
+	}
+	afterSwap := map[string][]string{}
+	for _, f := range []string{"iptables-save", "ip6tables-save"} {
+		afterSwap[f] = kubeChains(t, f)
+		t.Logf("%s after the swap and kube-proxy --cleanup: KUBE- chains left: %v", f, afterSwap[f])
+	}
+	// What upstream leaves when it ran alone (KUBE-FIREWALL, which it shares
+	// with kubelet) is all it may leave after taking over from kpipe.
+	if code, out := runKpipeOnce(t, "--cleanup"); code != 0 {
+		t.Fatalf("kpipe --cleanup: exit %d:\n%s", code, out)
+	}
+	alone := e.startKubeProxy()
+	if err := alone.Stop(); err != nil {
+		t.Fatalf("stop kube-proxy: %v", err)
+	}
+	if out, err := alone.Cleanup(); err != nil {
+		t.Fatalf("kube-proxy --cleanup: %v\n%s", err, out)
+	}
+	for _, f := range []string{"iptables-save", "ip6tables-save"} {
+		want := kubeChains(t, f)
+		t.Logf("%s after kube-proxy alone and its --cleanup: KUBE- chains left: %v", f, want)
+		if extra := missingFrom(afterSwap[f], want); len(extra) > 0 {
+			t.Errorf("%s: after the swap, kube-proxy --cleanup left %v, which it leaves not when it ran alone", f, extra)
+		}
+	}
+
+	// kpipe takes the node back with its defaults.
+	if err := e.k.Start(); err != nil {
+		t.Fatal(err)
+	}
+	waitAnswer(t, tcp(2*time.Second), client, addr, 20*time.Second)
 }
