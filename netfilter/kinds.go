@@ -23,8 +23,8 @@ const (
 	KindExternal
 	// KindFirewall: KUBE-FW-, a load balancer's source ranges.
 	KindFirewall
-	// KindDispatch: KUBE-SVCS-<bits>-, the chains between KUBE-SERVICES and the
-	// service rules, by destination prefix.
+	// KindDispatch: KUBE-SVC-B<bits>- (an older kpipe's KUBE-SVCS-), the chains
+	// between KUBE-SERVICES and the service rules, by destination prefix.
 	KindDispatch
 	// kindLegacy: kube-proxy's old KUBE-XLB- chains, deleted where found.
 	kindLegacy
@@ -42,6 +42,9 @@ func KindOf(chain string) Kind {
 		return KindMarkMasq
 	case topChains[chain]:
 		return KindTop
+	case isDispatchChain(chain):
+		// Before KUBE-SVC-: dispatch chains carry that prefix too (see PrefixBucket).
+		return KindDispatch
 	case strings.HasPrefix(chain, PrefixEndpoint):
 		return KindEndpoint
 	case strings.HasPrefix(chain, PrefixService), strings.HasPrefix(chain, PrefixServiceLocal):
@@ -50,8 +53,6 @@ func KindOf(chain string) Kind {
 		return KindExternal
 	case strings.HasPrefix(chain, PrefixFirewall):
 		return KindFirewall
-	case strings.HasPrefix(chain, PrefixBucket):
-		return KindDispatch
 	case strings.HasPrefix(chain, prefixLegacyXLB):
 		return kindLegacy
 	}

@@ -2,6 +2,8 @@ package netfilter
 
 import (
 	"net/netip"
+	"regexp"
+	"strings"
 	"testing"
 )
 
@@ -30,15 +32,19 @@ func TestRankOrdersJumpTargetsFirst(t *testing.T) {
 	}
 	// A bucket of an older kpipe (one level, no prefix length in its name) is still
 	// a bucket, never a top-level chain.
-	if r := Rank(PrefixBucket + "W6N74VVXF7X37KSH"); r <= Rank(PrefixFirewall+"X") || r >= Rank(ChainServices) {
+	if r := Rank(prefixOldBucket + "W6N74VVXF7X37KSH"); r <= Rank(PrefixFirewall+"X") || r >= Rank(ChainServices) {
 		t.Errorf("old-style bucket ranks %d", r)
 	}
 }
 
 // TestBucketChainNames: bucket chain names fit iptables' 28 characters, carry the
-// prefix length, and differ between prefixes.
+// prefix length, and differ between prefixes. They start with kube-proxy's
+// KUBE-SVC-, so that kube-proxy taking the node over deletes them as its own
+// stale chains, yet can never equal a service chain (KUBE-SVC- and 16 base32
+// characters, which have no '-').
 func TestBucketChainNames(t *testing.T) {
 	seen := map[string]string{}
+	serviceChain := regexp.MustCompile(`^KUBE-SVC-[A-Z2-7]{16}$`)
 	for _, p := range []string{"10.96.0.0/16", "10.96.0.0/20", "10.96.0.0/24", "10.96.1.0/24", "fd00:10:96::/112", "fd00:10:96::/116", "fd00:10:96::ff00/120"} {
 		name := BucketChain(netip.MustParsePrefix(p))
 		if len(name) > 28 {
@@ -46,6 +52,12 @@ func TestBucketChainNames(t *testing.T) {
 		}
 		if bits, ok := bucketBits(name); !ok || bits != netip.MustParsePrefix(p).Bits() {
 			t.Errorf("chain of %s is %q: prefix length %d, %v", p, name, bits, ok)
+		}
+		if !strings.HasPrefix(name, PrefixService) || serviceChain.MatchString(name) {
+			t.Errorf("chain of %s is %q: want kube-proxy's KUBE-SVC- prefix, and no service chain's name", p, name)
+		}
+		if KindOf(name) != KindDispatch {
+			t.Errorf("chain of %s is %q, of kind %d; want a dispatch chain", p, name, KindOf(name))
 		}
 		if other, dup := seen[name]; dup {
 			t.Errorf("%s and %s share the chain %s", p, other, name)
@@ -80,6 +92,12 @@ func TestKinds(t *testing.T) {
 		{"KUBE-SEP-AAAAAAAAAAAAAAAA", KindEndpoint, true, true, false},
 		{"KUBE-XLB-AAAAAAAAAAAAAAAA", kindLegacy, true, true, false},
 		{bucket, KindDispatch, false, true, true},
+		// A service chain whose hash starts like a dispatch chain is a service chain.
+		{"KUBE-SVC-B24AAAAAAAAAAAAA", KindService, true, true, false},
+		{"KUBE-SVC-BAAAAAAAAAAAAAAA", KindService, true, true, false},
+		// An older kpipe's dispatch chains: deleted by an upgraded kpipe.
+		{"KUBE-SVCS-24-AAAAAAAAAAAAAA", KindDispatch, false, true, true},
+		{"KUBE-SVCS-W6N74VVXF7X37KSH", KindDispatch, false, true, true},
 		{ChainServices, KindTop, false, false, true},
 		{ChainExternalServices, KindTop, false, false, true},
 		{ChainNodePorts, KindTop, false, false, true},

@@ -52,10 +52,20 @@ const (
 	// the rules of the services in it (IPv6: /112, /116, /120). Adding a service
 	// rewrites its bucket, not all of KUBE-SERVICES, and with a /12 of services a
 	// new connection walks at most 16 jumps per level before its bucket's rules.
-	PrefixBucket        = "KUBE-SVCS-"
+	//
+	// The names start with kube-proxy's KUBE-SVC- so that kube-proxy, taking the
+	// node over, deletes them as stale chains of its own (it deletes only chains
+	// with its per-service prefixes); otherwise they would keep referencing
+	// service chains it wants to delete, and its restores would fail. They cannot
+	// be mistaken for a service chain: after "KUBE-SVC-B" and the digits comes a
+	// '-', at a place where a service chain's base32 hash has a letter or digit.
+	PrefixBucket = PrefixService + "B"
+	// prefixOldBucket named the dispatch chains of kpipe before v-next; they are
+	// still dispatch chains, so that an upgraded kpipe deletes them.
+	prefixOldBucket     = "KUBE-SVCS-"
 	prefixLegacyXLB     = "KUBE-XLB-"
 	serviceChainHashLen = 16
-	// bucketHashLen fits "KUBE-SVCS-120-" and the hash in iptables' 28 characters.
+	// bucketHashLen fits "KUBE-SVC-B120-" and the hash in iptables' 28 characters.
 	bucketHashLen = 28 - len(PrefixBucket+"120-")
 )
 
@@ -73,7 +83,7 @@ func EndpointName(port bus.ServicePortName, endpoint string) string {
 	return PrefixEndpoint + hash16(port.String()+strings.ToLower(string(port.Protocol))+endpoint)
 }
 
-// BucketChain names the chain of a destination prefix: "KUBE-SVCS-<bits>-" and a
+// BucketChain names the chain of a destination prefix: "KUBE-SVC-B<bits>-" and a
 // hash of the prefix, so that chains sort by level (see Rank).
 func BucketChain(p netip.Prefix) string {
 	return PrefixBucket + strconv.Itoa(p.Bits()) + "-" + hash(p.String(), bucketHashLen)
@@ -113,19 +123,37 @@ func BucketParent(p netip.Prefix) (parent netip.Prefix, ok bool) {
 	return parent, true
 }
 
-// bucketBits reads the prefix length out of a bucket chain's name; ok is false
-// for a name of another shape (an older kpipe's single-level buckets).
+// bucketBits reads the prefix length out of a dispatch chain's name, of this
+// kpipe ("KUBE-SVC-B<bits>-<hash>") or an older one ("KUBE-SVCS-<bits>-<hash>");
+// ok is false for a name of another shape (a service chain, or an older kpipe's
+// single-level buckets).
 func bucketBits(chain string) (bits int, ok bool) {
-	rest, found := strings.CutPrefix(chain, PrefixBucket)
-	if !found {
-		return 0, false
+	for _, prefix := range []string{PrefixBucket, prefixOldBucket} {
+		if rest, found := strings.CutPrefix(chain, prefix); found {
+			return leadingBits(rest)
+		}
 	}
+	return 0, false
+}
+
+// leadingBits reads "<digits>-…" (a dispatch chain's name after its prefix).
+func leadingBits(rest string) (bits int, ok bool) {
 	num, _, found := strings.Cut(rest, "-")
-	if !found {
+	if !found || num == "" || strings.Trim(num, "0123456789") != "" {
 		return 0, false
 	}
 	bits, err := strconv.Atoi(num)
 	return bits, err == nil
+}
+
+// isDispatchChain says whether chain is a dispatch chain of this kpipe or of an
+// older one (KUBE-SVCS-, with or without a prefix length).
+func isDispatchChain(chain string) bool {
+	if strings.HasPrefix(chain, prefixOldBucket) {
+		return true
+	}
+	_, ok := bucketBits(chain)
+	return ok
 }
 
 func hash16(s string) string { return hash(s, serviceChainHashLen) }

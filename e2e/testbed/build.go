@@ -88,10 +88,16 @@ func goBuild(dir string, ownModule bool, out string, pkgs ...string) error {
 	return nil
 }
 
-// ControlPlaneBinaries are the paths of the kube-apiserver and etcd binaries.
+// ControlPlaneBinaries are the paths of the kube-apiserver and etcd binaries,
+// and of upstream kube-proxy (same Kubernetes version) for the swap tests.
 type ControlPlaneBinaries struct {
 	APIServer string
 	Etcd      string
+	KubeProxy string
+}
+
+func (b ControlPlaneBinaries) complete() bool {
+	return exists(b.APIServer) && exists(b.Etcd) && exists(b.KubeProxy)
 }
 
 // CacheDir is where built control-plane binaries are kept between runs:
@@ -107,7 +113,7 @@ func CacheDir() string {
 	return filepath.Join(home, ".cache", "kpipe-e2e", "bin")
 }
 
-// EnsureControlPlane returns the kube-apiserver and etcd binaries pinned by
+// EnsureControlPlane returns the kube-apiserver, etcd and kube-proxy binaries pinned by
 // e2e/controlplane/go.mod, building them when the cache has none for this
 // exact go.mod and go.sum. logf reports progress (building takes minutes).
 func EnsureControlPlane(root string, logf func(string, ...any)) (ControlPlaneBinaries, error) {
@@ -126,8 +132,9 @@ func EnsureControlPlane(root string, logf func(string, ...any)) (ControlPlaneBin
 	bins := ControlPlaneBinaries{
 		APIServer: filepath.Join(dir, "kube-apiserver"),
 		Etcd:      filepath.Join(dir, "etcd"),
+		KubeProxy: filepath.Join(dir, "kube-proxy"),
 	}
-	if exists(bins.APIServer) && exists(bins.Etcd) {
+	if bins.complete() {
 		return bins, nil
 	}
 	if err := os.MkdirAll(CacheDir(), 0o755); err != nil {
@@ -143,7 +150,7 @@ func EnsureControlPlane(root string, logf func(string, ...any)) (ControlPlaneBin
 		return bins, fmt.Errorf("take build lock: %w", err)
 	}
 	defer syscall.Flock(int(lock.Fd()), syscall.LOCK_UN)
-	if exists(bins.APIServer) && exists(bins.Etcd) {
+	if bins.complete() {
 		return bins, nil
 	}
 	tmp, err := os.MkdirTemp(CacheDir(), key+".tmp-")
@@ -152,8 +159,8 @@ func EnsureControlPlane(root string, logf func(string, ...any)) (ControlPlaneBin
 	}
 	defer os.RemoveAll(tmp)
 	start := time.Now()
-	logf("building kube-apiserver and etcd into %s (first run on this machine: several minutes)", dir)
-	if err := goBuild(cpDir, true, tmp+string(filepath.Separator), "k8s.io/kubernetes/cmd/kube-apiserver", "./etcd"); err != nil {
+	logf("building kube-apiserver, kube-proxy and etcd into %s (first run on this machine: several minutes)", dir)
+	if err := goBuild(cpDir, true, tmp+string(filepath.Separator), "k8s.io/kubernetes/cmd/kube-apiserver", "k8s.io/kubernetes/cmd/kube-proxy", "./etcd"); err != nil {
 		return bins, err
 	}
 	_ = os.RemoveAll(dir)
