@@ -297,22 +297,22 @@ func fullSyncCount(t *testing.T) float64 {
 	return metricSum(t, "kubeproxy_sync_full_proxy_rules_duration_seconds_count", nil)
 }
 
-// flushCanaries flushes both families' mangle canary chain: kpipe takes it
-// for a flushed table and makes a full sync.
+// flushCanaries flushes both families' nat canary chain: kpipe takes it for a
+// flushed table and makes a full sync.
 func flushCanaries(t *testing.T) {
 	t.Helper()
 	for _, cmd := range []string{"iptables", "ip6tables"} {
-		if _, err := tb.Exec(tb.NodeNS, cmd, "-w", "-t", "mangle", "-F", "KUBE-PROXY-CANARY"); err != nil {
+		if _, err := tb.Exec(tb.NodeNS, cmd, "-w", "-t", "nat", "-F", "KUBE-PROXY-CANARY"); err != nil {
 			t.Fatal(err)
 		}
 	}
 }
 
-// canaryBack says whether both families' mangle canary chain holds its rule
+// canaryBack says whether both families' nat canary chain holds its rule
 // again: kpipe's canary stage restores it just before it asks for a full sync.
 func canaryBack() bool {
 	for _, cmd := range []string{"iptables", "ip6tables"} {
-		out, err := tb.Exec(tb.NodeNS, cmd, "-w", "-t", "mangle", "-S", "KUBE-PROXY-CANARY")
+		out, err := tb.Exec(tb.NodeNS, cmd, "-w", "-t", "nat", "-S", "KUBE-PROXY-CANARY")
 		if err != nil || !strings.Contains(out, "-A KUBE-PROXY-CANARY") {
 			return false
 		}
@@ -374,7 +374,8 @@ func breakRules(t *testing.T, round int) damage {
 	for _, f := range []struct{ family, cmd string }{{"ipv4", "iptables"}, {"ipv6", "ip6tables"}} {
 		var svcChains []string
 		for key, rules := range got.Chains {
-			if strings.HasPrefix(key, f.family+" nat KUBE-SVC-") && len(rules) > 0 && strings.Contains(rules[0], "/bulk-") {
+			chain, isNat := strings.CutPrefix(key, f.family+" nat ")
+			if isNat && serviceChain.MatchString(chain) && len(rules) > 0 && strings.Contains(rules[0], "/bulk-") {
 				svcChains = append(svcChains, key)
 			}
 		}

@@ -4,6 +4,7 @@ import (
 	"bufio"
 	"errors"
 	"fmt"
+	"regexp"
 	"strconv"
 	"strings"
 	"testing"
@@ -381,6 +382,10 @@ func short(ns string) string {
 
 // rulesMatching returns the lines of an iptables-save dump containing every
 // one of words.
+// serviceChain matches the name of a service port's KUBE-SVC- chain (kube-proxy's
+// hash: 16 base32 characters), not kpipe's KUBE-SVC-B<bits>- dispatch chains.
+var serviceChain = regexp.MustCompile(`^KUBE-SVC-[A-Z2-7]{16}$`)
+
 func rulesMatching(save string, words ...string) []string {
 	var out []string
 	for _, l := range strings.Split(save, "\n") {

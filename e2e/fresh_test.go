@@ -74,7 +74,9 @@ func TestFreshKpipeComparisonSeesAHandDeletedRule(t *testing.T) {
 	nat := e.iptablesSave("nat")
 	chain := ""
 	for _, l := range rulesMatching(nat, "-A KUBE-SVC-", testbed.ServiceComment(e.ns, svc.Name, "http")) {
-		chain = strings.Fields(l)[1]
+		if c := strings.Fields(l)[1]; serviceChain.MatchString(c) {
+			chain = c
+		}
 	}
 	if chain == "" {
 		t.Fatalf("no KUBE-SVC- chain for %s/%s:\n%s", e.ns, svc.Name, filterRules(nat, e.ns+"/"))

@@ -117,7 +117,14 @@ var (
 	canaryLine = "-A " + ChainCanary + ` -m comment --comment "kpipe canary" -j RETURN`
 )
 
-// EnsureCanaries creates the canary chain, with its rule, in each table.
+// canaryHoldsRule says whether table's canary holds canaryRule. The mangle canary
+// is an empty chain, as kube-proxy keeps it: kpipe has no rules in mangle, so a
+// flush there needs no resync, and kube-proxy --cleanup deletes that chain
+// without flushing it first (it could not delete it with a rule in it).
+func canaryHoldsRule(table string) bool { return table != TableMangle }
+
+// EnsureCanaries creates the canary chain in each table, with its rule where it
+// holds one.
 func (t Tool) EnsureCanaries(ctx context.Context, tables []string) error {
 	for _, table := range tables {
 		if err := t.ensureChain(ctx, table, ChainCanary); err != nil {
@@ -126,6 +133,14 @@ func (t Tool) EnsureCanaries(ctx context.Context, tables []string) error {
 		rules, err := t.ListChain(ctx, table, ChainCanary)
 		if err != nil {
 			return err
+		}
+		if !canaryHoldsRule(table) {
+			if len(rules) > 0 { // an older kpipe's rule
+				if _, err := t.iptables(ctx, "-t", table, "-F", ChainCanary); err != nil {
+					return fmt.Errorf("empty the canary in %s: %w", table, err)
+				}
+			}
+			continue
 		}
 		if slices.Contains(rules, canaryLine) {
 			continue
@@ -137,9 +152,9 @@ func (t Tool) EnsureCanaries(ctx context.Context, tables []string) error {
 	return nil
 }
 
-// CanaryAlive says whether table still holds the canary chain and its rule: false
-// (and no error) when the chain was deleted or flushed; an error only when
-// iptables could not answer.
+// CanaryAlive says whether table still holds the canary chain (and its rule, where
+// it holds one): false (and no error) when the chain was deleted or flushed; an
+// error only when iptables could not answer.
 func (t Tool) CanaryAlive(ctx context.Context, table string) (bool, error) {
 	rules, err := t.ListChain(ctx, table, ChainCanary)
 	if errors.Is(err, ErrNoChain) {
@@ -148,5 +163,5 @@ func (t Tool) CanaryAlive(ctx context.Context, table string) (bool, error) {
 	if err != nil {
 		return false, err
 	}
-	return slices.Contains(rules, canaryLine), nil
+	return !canaryHoldsRule(table) || slices.Contains(rules, canaryLine), nil
 }
