@@ -34,13 +34,3 @@ func (t Tool) Chains(ctx context.Context, table string) ([]string, error) {
 	}
 	return chains, sc.Err()
 }
-
-// RuleCount counts the rules of one chain (iptables -S CHAIN, which reads only that
-// chain); -1 when the chain does not exist or cannot be read.
-func (t Tool) RuleCount(ctx context.Context, table, chain string) int {
-	rules, err := t.ListChain(ctx, table, chain)
-	if err != nil {
-		return -1
-	}
-	return len(rules)
-}

@@ -444,7 +444,7 @@ func TestRunProtocol(t *testing.T) {
 	s := testStage(k)
 	out := s.p
 	stop := runStage(t, s)
-	defer stop()
+	defer func() { stop() }() // the Run of the moment: it is started again below
 	select {
 	case <-out.Resend.C():
 	case <-time.After(5 * time.Second):

@@ -133,14 +133,6 @@ func tableOf(p *bus.Plan, name string) bus.TablePayload {
 	return bus.TablePayload{}
 }
 
-func declared(p *bus.Plan, name string) []string {
-	var out []string
-	for _, c := range tableOf(p, name).Chains {
-		out = append(out, c.Name)
-	}
-	return out
-}
-
 // TestServiceOfOtherFamilyIgnored: an IPv4-only service writes nothing to IPv6.
 func TestServiceOfOtherFamilyIgnored(t *testing.T) {
 	a := svc("ns", "a", "10.96.0.1", port("http", bus.TCP, 80))

@@ -109,7 +109,7 @@ func (p *ruleParser) parse() error {
 		opt := p.words[p.i]
 		if opt == "!" {
 			if neg {
-				return fmt.Errorf("double !")
+				return fmt.Errorf("a match negated twice")
 			}
 			neg = true
 			continue
