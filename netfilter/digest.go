@@ -641,9 +641,7 @@ func (t Tool) ChainNames(ctx context.Context, table string) ([]string, error) {
 		}
 		backends.set(t.binary(""), false)
 	}
-	names, err := t.Chains(ctx, table)
-	slices.Sort(names)
-	return names, err
+	return t.Chains(ctx, table)
 }
 
 func (t Tool) netlinkChainNames(ctx context.Context, table string) ([]string, error) {

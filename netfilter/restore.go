@@ -1,10 +1,9 @@
 package netfilter
 
 import (
-	"bufio"
-	"bytes"
 	"context"
-	"strings"
+	"maps"
+	"slices"
 )
 
 // Restore feeds payload to iptables-restore without flushing the tables: only the
@@ -14,23 +13,11 @@ func (t Tool) Restore(ctx context.Context, payload []byte) error {
 	return err
 }
 
-// Chains lists the chains that exist in table. (iptables-save takes no lock, so it
-// has no -w.)
+// Chains lists the chains that exist in table, sorted, as iptables-save shows them.
 func (t Tool) Chains(ctx context.Context, table string) ([]string, error) {
-	out, err := t.runTool(ctx, t.binary("-save"), nil, "-t", table)
+	all, err := t.Save(ctx, table)
 	if err != nil {
 		return nil, err
 	}
-	var chains []string
-	sc := bufio.NewScanner(bytes.NewReader(out))
-	sc.Buffer(make([]byte, 1<<20), 1<<20)
-	for sc.Scan() {
-		line := sc.Text()
-		if strings.HasPrefix(line, ":") {
-			if name, _, ok := strings.Cut(line[1:], " "); ok {
-				chains = append(chains, name)
-			}
-		}
-	}
-	return chains, sc.Err()
+	return slices.Sorted(maps.Keys(all)), nil
 }

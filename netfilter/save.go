@@ -8,7 +8,7 @@ import (
 )
 
 // Save lists every chain of table with its rules ("-A ..." lines), as iptables-save
-// prints them.
+// prints them. (iptables-save takes no lock, so it has no -w.)
 func (t Tool) Save(ctx context.Context, table string) (map[string][]string, error) {
 	out, err := t.runTool(ctx, t.binary("-save"), nil, "-t", table)
 	if err != nil {

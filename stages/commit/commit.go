@@ -89,9 +89,7 @@ func (s *Stage) Run(ctx context.Context) error {
 			return nil
 		}
 		start := time.Now()
-		// Without a ledger that matches the kernel (a new process, a failed full
-		// sync), every plan is written as a full sync.
-		full := plan.Full || !s.ledger.synced
+		full := s.writtenFull(plan)
 		if err := s.apply(ctx, plan); err != nil {
 			if ctx.Err() != nil {
 				return nil
@@ -107,15 +105,20 @@ func (s *Stage) Run(ctx context.Context) error {
 		s.record(plan, full, start, now)
 		flows, udpChanged := staleFlows(s.family, s.ledger.udp, s.ledger.haveUDP, plan.UDP)
 		s.ledger.udp, s.ledger.haveUDP = plan.UDP, true
-		s.p.Results.Put(bus.Result{Family: s.family, Generation: plan.Generation, OK: true, Full: full, Refresh: plan.Refresh, At: now})
 		if s.p.HealthChecks != nil {
 			s.p.HealthChecks.Put(bus.HealthCheckUpdates{s.family: plan.HealthChecks})
 		}
 		if udpChanged && s.p.Flows != nil {
 			s.p.Flows.Put(flows)
 		}
+		// The result goes last: whoever sees it sees everything this commit sent.
+		s.p.Results.Put(bus.Result{Family: s.family, Generation: plan.Generation, OK: true, Full: full, Refresh: plan.Refresh, At: now})
 	}
 }
+
+// writtenFull says whether plan is written as a full sync: asked for, or without
+// a ledger that matches the kernel (a new process, a failed full sync).
+func (s *Stage) writtenFull(plan *bus.Plan) bool { return plan.Full || !s.ledger.synced }
 
 // maxChainsPerRestore bounds how many chains one iptables-restore rewrites. With
 // --noflush on iptables-nft the cost grows with the square of that count: a
@@ -128,7 +131,7 @@ const maxChainsPerRestore = 4000
 // no longer has (for a full sync: every such chain in the kernel), and for a full
 // or periodic sync checks the top-level and bucket chains and the jumps into them.
 func (s *Stage) apply(ctx context.Context, plan *bus.Plan) error {
-	full := plan.Full || !s.ledger.synced
+	full := s.writtenFull(plan)
 	var w writes
 	for _, tp := range plan.Tables {
 		tw, err := s.changes(ctx, tp, full, plan.Refresh)
