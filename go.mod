@@ -4,6 +4,7 @@ go 1.26
 
 require (
 	github.com/coreos/go-iptables v0.8.0
+	github.com/fsnotify/fsnotify v1.9.0
 	github.com/lmittmann/tint v1.1.3
 	github.com/mdlayher/netlink v1.7.2
 	github.com/prometheus/client_golang v1.22.0
@@ -45,6 +46,7 @@ require (
 	github.com/josharian/native v1.1.0 // indirect
 	github.com/json-iterator/go v1.1.12 // indirect
 	github.com/klauspost/compress v1.19.2 // indirect
+	github.com/kylelemons/godebug v1.1.0 // indirect
 	github.com/mailru/easyjson v0.7.7 // indirect
 	github.com/mdlayher/socket v0.5.1 // indirect
 	github.com/modern-go/concurrent v0.0.0-20180306012644-bacd9c7ef1dd // indirect

@@ -243,8 +243,9 @@ func (h hits) sourcesIn(allowed []string) error {
 
 // eventuallyExactly waits until a series of requests from ns to addr is all
 // answered, by exactly the endpoints want (enough requests that each must
-// have answered), and returns that series' hits.
-func eventuallyExactly(t *testing.T, d dialer, ns, addr string, want []string) hits {
+// have answered), each seeing a source among sources (none given: any), and
+// returns that series' hits.
+func eventuallyExactly(t *testing.T, d dialer, ns, addr string, want []string, sources ...string) hits {
 	t.Helper()
 	var h hits
 	testbed.Eventually(t, 20*time.Second, func() error {
@@ -252,22 +253,22 @@ func eventuallyExactly(t *testing.T, d dialer, ns, addr string, want []string) h
 		if h, err = sample(d, ns, addr, samples(len(want))); err != nil {
 			return err
 		}
-		return h.exactly(want)
+		if err := h.exactly(want); err != nil {
+			return err
+		}
+		if len(sources) > 0 {
+			return h.sourcesIn(sources)
+		}
+		return nil
 	})
 	return h
 }
 
-// expectExactly is eventuallyExactly plus: every source the endpoints saw is
-// one of sources (none given: no check). It logs what it saw under what.
+// expectExactly is eventuallyExactly that logs what it saw under what.
 func expectExactly(t *testing.T, what string, d dialer, ns, addr string, want []string, sources ...string) hits {
 	t.Helper()
-	h := eventuallyExactly(t, d, ns, addr, want)
+	h := eventuallyExactly(t, d, ns, addr, want, sources...)
 	t.Logf("%s (%s from %s): %v", what, addr, short(ns), h)
-	if len(sources) > 0 {
-		if err := h.sourcesIn(sources); err != nil {
-			t.Fatalf("%s: %v", what, err)
-		}
-	}
 	return h
 }
 

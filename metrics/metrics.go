@@ -33,7 +33,15 @@ type Metrics struct {
 	ConntrackDuration      *prometheus.HistogramVec // by ip_family
 	Skipped                *prometheus.CounterVec   // kpipe: invalid API objects skipped, by kind and reason
 	StageRestarts          *prometheus.CounterVec   // kpipe: supervisor restarts, by stage
+	ConfigReloads          *prometheus.CounterVec   // kpipe: config file changes read, by result
+	ConfigReloadSuccessful prometheus.Gauge         // kpipe: 1 unless the config file's last change was rejected
 }
+
+// The results of a config file reload (label result of kpipe_config_reloads_total).
+const (
+	ReloadSuccess = "success"
+	ReloadFailure = "failure"
+)
 
 // alpha marks help text as kube-proxy's component-base does for its ALPHA
 // metrics, so a scrape reads the same.
@@ -95,11 +103,17 @@ func New(reg prometheus.Registerer) *Metrics {
 			Name: "kpipe_skipped_objects_total", Help: "API objects or parts of them skipped because they are invalid"}, []string{"kind", "reason"}),
 		StageRestarts: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "kpipe_stage_restarts_total", Help: "Restarts of a pipeline stage by its supervisor"}, []string{"stage"}),
+		ConfigReloads: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "kpipe_config_reloads_total", Help: "Changes of the config file read, by result (failure: rejected, the previous configuration kept)"}, []string{"result"}),
+		ConfigReloadSuccessful: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "kpipe_config_last_reload_successful", Help: "1 if kpipe runs on the config file as it is, 0 if its last change was rejected"}),
 	}
+	m.ConfigReloadSuccessful.Set(1)
 	reg.MustRegister(m.SyncDuration, m.SyncFullDuration, m.SyncPartialDuration, m.NetworkProgramming,
 		m.LastSync, m.LastQueued, m.RestoreFailures, m.PartialRestoreFailures, m.RulesTotal, m.RulesLast,
 		m.ServiceChanges, m.EndpointChanges, m.ServicesPending, m.EndpointsPending, m.NoLocalEndpoints,
-		m.HealthzTotal, m.LivezTotal, m.ConntrackDeleted, m.ConntrackDuration, m.Skipped, m.StageRestarts)
+		m.HealthzTotal, m.LivezTotal, m.ConntrackDeleted, m.ConntrackDuration, m.Skipped, m.StageRestarts,
+		m.ConfigReloads, m.ConfigReloadSuccessful)
 	return m
 }
 

@@ -10,7 +10,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/prometheus/client_golang/prometheus"
 	corev1 "k8s.io/api/core/v1"
 	discoveryv1 "k8s.io/api/discovery/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -18,12 +17,8 @@ import (
 	"k8s.io/client-go/kubernetes/fake"
 	k8stesting "k8s.io/client-go/testing"
 
-	"github.com/kpipe/kpipe/bus"
 	nf "github.com/kpipe/kpipe/netfilter"
-	"github.com/kpipe/kpipe/stages/canary"
-	"github.com/kpipe/kpipe/stages/commit"
 	"github.com/kpipe/kpipe/stages/commit/fakekernel"
-	"github.com/kpipe/kpipe/stages/conntrack"
 )
 
 // TestBuildTreeProgramsAService: the real supervisor tree, built by buildTree on
@@ -32,9 +27,55 @@ import (
 // Service created after it started into the kernel's nat table: its ClusterIP
 // rule and the DNAT to its endpoint.
 func TestBuildTreeProgramsAService(t *testing.T) {
+	client, watching := watchedClient()
+	kernel := fakekernel.New()
+	var logs syncBuffer
+	o := defaultOptions()
+	o.HostnameOverride, o.HealthzBindAddress, o.MetricsBindAddress = "node-1", "127.0.0.1:0", "127.0.0.1:0"
+	o.MinSyncPeriod = 0
+	if err := o.complete(); err != nil {
+		t.Fatal(err)
+	}
+	d := fakeDeps(client, kernel, slog.New(slog.NewTextHandler(&logs, &slog.HandlerOptions{Level: slog.LevelDebug})))
+
+	ctx := runInBackground(t, &logs, buildTree(o, d).Run)
+	waitWatches(t, watching, "services", "endpointslices")
+
+	createWebService(ctx, t, client)
+
+	waitNAT(t, kernel, "the ClusterIP and DNAT rules of ns/web", func(nat []string) bool {
+		return hasRule(nat, "-d 10.96.0.10/32", "--dport 80", "-j KUBE-SVC-") && hasRule(nat, "-j DNAT --to-destination 10.244.1.5:8080")
+	})
+}
+
+// runInBackground runs run until the test ends, then cancels it and fails the
+// test unless it returns nil within 10 s; logs are printed if the test failed.
+func runInBackground(t *testing.T, logs *syncBuffer, run func(context.Context) error) context.Context {
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- run(ctx) }()
+	t.Cleanup(func() {
+		cancel()
+		select {
+		case err := <-done:
+			if err != nil {
+				t.Errorf("Run = %v after cancel", err)
+			}
+		case <-time.After(10 * time.Second):
+			t.Error("did not stop after cancel")
+		}
+		if t.Failed() {
+			t.Log(logs.String())
+		}
+	})
+	return ctx
+}
+
+// watchedClient is a fake apiserver that says on watching which resource a
+// watch was started for. (The fake's watches miss what happens before they
+// start: create objects only once the watches are in place.)
+func watchedClient() (*fake.Clientset, <-chan string) {
 	client := fake.NewClientset()
-	// The fake's watches miss what happens before they start: create the objects
-	// only once the Service and EndpointSlice watches are in place.
 	watching := make(chan string, 16)
 	client.PrependWatchReactor("*", func(a k8stesting.Action) (bool, k8swatch.Interface, error) {
 		w, err := client.Tracker().Watch(a.GetResource(), a.GetNamespace())
@@ -47,39 +88,13 @@ func TestBuildTreeProgramsAService(t *testing.T) {
 		}
 		return true, w, nil
 	})
-	kernel := fakekernel.New()
-	var logs syncBuffer
-	o := defaultOptions()
-	o.HostnameOverride, o.HealthzBindAddress, o.MetricsBindAddress = "node-1", "127.0.0.1:0", "127.0.0.1:0"
-	o.MinSyncPeriod = 0
-	if err := o.complete(); err != nil {
-		t.Fatal(err)
-	}
-	d := deps{client: client, kernels: map[bus.Family]commit.Kernel{bus.IPv4: kernel},
-		canaries:  map[bus.Family]canary.Canaries{bus.IPv4: liveCanaries{}},
-		conntrack: func() (conntrack.Clearer, error) { return noConntrack{}, nil },
-		host:      hostFacts{noRandomFully: map[bus.Family]bool{}},
-		log:       slog.New(slog.NewTextHandler(&logs, &slog.HandlerOptions{Level: slog.LevelDebug})), registry: prometheus.NewRegistry()}
+	return client, watching
+}
 
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan error, 1)
-	go func() { done <- buildTree(o, d).Run(ctx) }()
-	defer func() {
-		cancel()
-		select {
-		case err := <-done:
-			if err != nil {
-				t.Errorf("Run = %v after cancel", err)
-			}
-		case <-time.After(10 * time.Second):
-			t.Error("the tree did not stop after cancel")
-		}
-		if t.Failed() {
-			t.Log(logs.String())
-		}
-	}()
-	waitWatches(t, watching, "services", "endpointslices")
-
+// createWebService creates Service ns/web (ClusterIP 10.96.0.10, port 80) and
+// an EndpointSlice with one endpoint, 10.244.1.5:8080.
+func createWebService(ctx context.Context, t *testing.T, client *fake.Clientset) {
+	t.Helper()
 	svc := &corev1.Service{
 		ObjectMeta: metav1.ObjectMeta{Namespace: "ns", Name: "web"},
 		Spec: corev1.ServiceSpec{Type: corev1.ServiceTypeClusterIP, ClusterIP: "10.96.0.10", ClusterIPs: []string{"10.96.0.10"},
@@ -99,26 +114,31 @@ func TestBuildTreeProgramsAService(t *testing.T) {
 		t.Fatal(err)
 	}
 
-	has := func(rules []string, parts ...string) bool {
-		return slices.ContainsFunc(rules, func(r string) bool {
-			for _, p := range parts {
-				if !strings.Contains(r, p) {
-					return false
-				}
+}
+
+// hasRule says whether one of rules contains every part.
+func hasRule(rules []string, parts ...string) bool {
+	return slices.ContainsFunc(rules, func(r string) bool {
+		for _, p := range parts {
+			if !strings.Contains(r, p) {
+				return false
 			}
-			return true
-		})
-	}
-	deadline := time.Now().Add(20 * time.Second)
-	for {
+		}
+		return true
+	})
+}
+
+// waitNAT waits up to 20 s for the kernel's nat table to satisfy ok.
+func waitNAT(t *testing.T, kernel *fakekernel.Kernel, what string, ok func(nat []string) bool) {
+	t.Helper()
+	for deadline := time.Now().Add(20 * time.Second); ; time.Sleep(10 * time.Millisecond) {
 		nat := kernel.Rules(nf.TableNAT)
-		if has(nat, "-d 10.96.0.10/32", "--dport 80", "-j KUBE-SVC-") && has(nat, "-j DNAT --to-destination 10.244.1.5:8080") {
-			break
+		if ok(nat) {
+			return
 		}
 		if time.Now().After(deadline) {
-			t.Fatalf("no ClusterIP and DNAT rules for ns/web in nat after 20s; nat holds:\n%s", strings.Join(nat, "\n"))
+			t.Fatalf("not after 20s: %s; nat holds:\n%s", what, strings.Join(nat, "\n"))
 		}
-		time.Sleep(10 * time.Millisecond)
 	}
 }
 

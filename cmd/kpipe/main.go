@@ -28,6 +28,7 @@ func run(args []string) int { return runWith(args, serve) }
 // options kpipe would run with.
 func runWith(args []string, serve func(context.Context, *Options) error) int {
 	opts := defaultOptions()
+	opts.args = args
 	cmd := &cobra.Command{
 		Use:           "kpipe",
 		Version:       version(),

@@ -52,6 +52,7 @@ type Options struct {
 	WriteConfigTo   string
 	Verbosity       int
 	ignoredGiven    []string
+	args            []string // the command line, reread over the config file when it changes
 	clusterCIDRs    []netip.Prefix
 	nodePortCIDRs   []netip.Prefix
 	nodePortPrimary bool

@@ -13,6 +13,7 @@ import (
 	"k8s.io/client-go/tools/clientcmd"
 
 	"github.com/kpipe/kpipe/bus"
+	"github.com/kpipe/kpipe/metrics"
 	nf "github.com/kpipe/kpipe/netfilter"
 	"github.com/kpipe/kpipe/stages/canary"
 	"github.com/kpipe/kpipe/stages/commit"
@@ -20,8 +21,10 @@ import (
 )
 
 // serve connects to the apiserver and the host (realDeps), builds the stages
-// under their supervisor tree (buildTree) and runs them until ctx ends. Stopping
-// leaves every rule in place: a restarted kpipe takes them over.
+// under their supervisor tree (buildTree) and runs them until ctx ends. When the
+// config file changes into a valid configuration, it stops the tree and builds
+// a new one with the new settings (runUntilReload). Stopping leaves every rule in
+// place: a restarted kpipe, or the next tree, takes them over.
 func serve(ctx context.Context, o *Options) error {
 	log := newLogger(os.Stderr, o.LogFormat, o.LogLevel)
 	if o.Cleanup {
@@ -38,32 +41,39 @@ func serve(ctx context.Context, o *Options) error {
 	if err != nil {
 		return err
 	}
-	root := buildTree(o, d)
-	log.Info("kpipe starting", "node", o.HostnameOverride, "families", fmt.Sprint(d.families()), "mode", "iptables")
 	o.logIgnored(log)
-	if err := root.Run(ctx); err != nil {
-		log.Error("kpipe stopping: a stage kept failing", "err", err)
-		return err
-	}
-	log.Info("kpipe stopped; rules left in place")
-	return nil
+	return runReloading(ctx, o, d, watchConfigFile(ctx, o.ConfigFile, log), func(o *Options, d deps) (deps, error) {
+		log := newLogger(os.Stderr, o.LogFormat, o.LogLevel)
+		setUpNode(o, realNodeHost, log)
+		return d.reconfigured(o, log)
+	})
 }
 
 // realDeps are the real dependencies: the apiserver client, iptables and
 // conntrack netlink for each family the host has, the host's facts, and a
-// registry with the Go and process collectors.
+// registry with the Go and process collectors and kpipe's metrics.
 func realDeps(o *Options, log *slog.Logger) (deps, error) {
+	d := deps{kernels: map[bus.Family]commit.Kernel{}, canaries: map[bus.Family]canary.Canaries{},
+		conntrack: func() (conntrack.Clearer, error) { return nf.DialConntrack() }, registry: prometheus.NewRegistry()}
+	for _, f := range hostFamilies(log) {
+		d.kernels[f], d.canaries[f] = nf.Tool{Family: f}, nf.Tool{Family: f}
+	}
+	d.registry.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+	d.metrics = metrics.New(d.registry)
+	return d.reconfigured(o, log)
+}
+
+// reconfigured are d for the options o: a new apiserver client and event
+// recorder (the client connection may have changed), the host's facts read
+// again; the kernels, the conntrack connection and the metrics stay.
+func (d deps) reconfigured(o *Options, log *slog.Logger) (deps, error) {
 	client, err := newClient(o)
 	if err != nil {
 		return deps{}, err
 	}
-	d := deps{client: client, kernels: map[bus.Family]commit.Kernel{}, canaries: map[bus.Family]canary.Canaries{},
-		conntrack: func() (conntrack.Clearer, error) { return nf.DialConntrack() }, log: log, registry: prometheus.NewRegistry()}
-	for _, f := range hostFamilies(log) {
-		d.kernels[f], d.canaries[f] = nf.Tool{Family: f}, nf.Tool{Family: f}
-	}
+	d.log = log
+	d.connect(client)
 	d.host = prepareHost(o, log)
-	d.registry.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	return d, nil
 }
 

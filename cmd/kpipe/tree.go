@@ -8,6 +8,7 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 	"k8s.io/client-go/kubernetes"
+	k8sevents "k8s.io/client-go/tools/events"
 
 	"github.com/kpipe/kpipe/bus"
 	"github.com/kpipe/kpipe/metrics"
@@ -26,14 +27,31 @@ import (
 // kernel of each IP family kpipe programs, what start-up learned about the host,
 // and where logs and metrics go. serve makes the real ones (realDeps); tests fake them.
 type deps struct {
-	client   kubernetes.Interface
-	kernels  map[bus.Family]commit.Kernel   // one per family kpipe programs
-	canaries map[bus.Family]canary.Canaries // nil: iptables
+	client kubernetes.Interface
+	// broadcaster sends what recorder records (events on the Node) through
+	// client, once the events stage starts it.
+	broadcaster k8sevents.EventBroadcaster
+	recorder    k8sevents.EventRecorder
+	kernels     map[bus.Family]commit.Kernel   // one per family kpipe programs
+	canaries    map[bus.Family]canary.Canaries // nil: iptables
 	// conntrack opens the conntrack connection; nil: netlink.
 	conntrack func() (conntrack.Clearer, error)
 	host      hostFacts
 	log       *slog.Logger
 	registry  *prometheus.Registry
+	// metrics are registered once in registry: every tree reports to them.
+	metrics *metrics.Metrics
+}
+
+// connect makes d use client, with an event recorder of its own.
+func (d *deps) connect(client kubernetes.Interface) {
+	d.client = client
+	d.broadcaster, d.recorder = events.NewRecorder(client)
+}
+
+// reloadReporter reports the config file's changes while a tree built from o runs.
+func (d deps) reloadReporter(o *Options) reloadReporter {
+	return reloadReporter{path: o.ConfigFile, node: o.HostnameOverride, log: d.log, metrics: d.metrics, recorder: d.recorder}
 }
 
 // families are the families kpipe programs, IPv4 first.
@@ -52,7 +70,7 @@ func (d deps) families() []bus.Family {
 // coalesce), resync (canary → coalesce), replay (coalesce → watch).
 func buildTree(o *Options, d deps) *supervise.Supervisor {
 	board := bus.NewBoard()
-	envs := bus.Envs{Log: d.log, Metrics: metrics.New(d.registry), Board: board}
+	envs := bus.Envs{Log: d.log, Metrics: d.metrics, Board: board}
 	changes, replay := make(chan bus.Change, 1024), bus.NewReplayFlag()
 	checks := bus.NewMergingMailbox(bus.MergeHealthCheckUpdates)
 	resync := map[bus.Family]*bus.ResyncFlag{}
@@ -76,8 +94,7 @@ func buildTree(o *Options, d deps) *supervise.Supervisor {
 		WatchAddrs: len(o.nodePortCIDRs) > 0, Env: envs.For(bus.Watch)}).Run
 	r.coalesce = coalesce.NewStage(coalesce.Params{Config: coalesce.Config{MinSyncPeriod: o.MinSyncPeriod, SyncPeriod: o.SyncPeriod, Burst: 2},
 		In: changes, Replay: replay, Families: coalesceIO, Env: envs.For(bus.Coalesce)}).Run
-	broadcaster, recorder := events.NewRecorder(d.client)
-	r.events = events.NewStage(events.Params{Broadcaster: broadcaster, Recorder: recorder, Node: o.HostnameOverride,
+	r.events = events.NewStage(events.Params{Broadcaster: d.broadcaster, Recorder: d.recorder, Node: o.HostnameOverride,
 		Families: d.families(), Board: board, Env: envs.For(events.Name)}).Run
 	r.canary = canary.NewStage(canary.Params{Interval: o.CanaryInterval, Resync: resync, Tools: d.canaries, Env: envs.For(bus.Canary)}).Run
 

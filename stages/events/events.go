@@ -35,6 +35,10 @@ const (
 	// ReasonSetupFailed: a node set-up step failed (see RecordSetupFailure).
 	ReasonSetupFailed = "NodeSetupFailed"
 	ActionSetup       = "SetUpNode"
+	// ReasonReloadFailed: the config file changed into one kpipe rejects; it keeps
+	// running on the previous configuration (kube-proxy would exit instead).
+	ReasonReloadFailed = "ConfigReloadFailed"
+	ActionReload       = "ReloadConfig"
 )
 
 const (
@@ -61,6 +65,13 @@ func NodeRef(node string) *corev1.ObjectReference {
 // RecordSetupFailure records a Warning that the node set-up step failed.
 func RecordSetupFailure(rec events.EventRecorder, node string, step string, err error) {
 	rec.Eventf(NodeRef(node), nil, corev1.EventTypeWarning, ReasonSetupFailed, ActionSetup, "%s: %v", step, err)
+}
+
+// RecordReloadFailure records a Warning that the config file at path was
+// rejected.
+func RecordReloadFailure(rec events.EventRecorder, node, path string, err error) {
+	rec.Eventf(NodeRef(node), nil, corev1.EventTypeWarning, ReasonReloadFailed, ActionReload,
+		"%s rejected, previous configuration kept: %v", path, err)
 }
 
 // Params wire the events stage.

@@ -1,0 +1,193 @@
+package main
+
+import (
+	"context"
+	"fmt"
+	"log/slog"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus/testutil"
+	eventsv1 "k8s.io/api/events/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/client-go/kubernetes"
+
+	"github.com/kpipe/kpipe/metrics"
+	"github.com/kpipe/kpipe/stages/commit/fakekernel"
+	"github.com/kpipe/kpipe/stages/events"
+)
+
+// configMapDir lays out dir as the kubelet mounts a ConfigMap: name is a
+// symlink to ..data/name, ..data a symlink to a timestamped directory holding
+// the file. update swaps in a new timestamped directory as the kubelet does
+// (a new ..data symlink renamed over the old one).
+type configMapDir struct {
+	t     *testing.T
+	dir   string
+	name  string
+	count int
+}
+
+func newConfigMapDir(t *testing.T, name, content string) *configMapDir {
+	c := &configMapDir{t: t, dir: t.TempDir(), name: name}
+	c.update(content)
+	if err := os.Symlink(filepath.Join("..data", name), filepath.Join(c.dir, name)); err != nil {
+		t.Fatal(err)
+	}
+	return c
+}
+
+func (c *configMapDir) path() string { return filepath.Join(c.dir, c.name) }
+
+func (c *configMapDir) update(content string) {
+	c.t.Helper()
+	c.count++
+	ts := filepath.Join(c.dir, "..2026_11_23_"+strings.Repeat("0", c.count))
+	if err := os.Mkdir(ts, 0o755); err != nil {
+		c.t.Fatal(err)
+	}
+	if err := os.WriteFile(filepath.Join(ts, c.name), []byte(content), 0o644); err != nil {
+		c.t.Fatal(err)
+	}
+	tmp := filepath.Join(c.dir, "..data_tmp")
+	if err := os.Symlink(filepath.Base(ts), tmp); err != nil {
+		c.t.Fatal(err)
+	}
+	if err := os.Rename(tmp, filepath.Join(c.dir, "..data")); err != nil {
+		c.t.Fatal(err)
+	}
+}
+
+// TestWatchConfigFile: a ConfigMap update (the ..data symlink swapped) and an
+// in-place write are each seen within a second, long before the fallback poll;
+// an update that leaves the content as it was is not.
+func TestWatchConfigFile(t *testing.T) {
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	cm := newConfigMapDir(t, "config.conf", "a: 1\n")
+	changed := watchConfigFile(ctx, cm.path(), slog.New(slog.DiscardHandler))
+	seen := func(what string, want bool) {
+		t.Helper()
+		select {
+		case <-changed:
+			if !want {
+				t.Errorf("%s: a change was signalled", what)
+			}
+		case <-time.After(time.Second):
+			if want {
+				t.Errorf("%s: no change signalled within 1s", what)
+			}
+		}
+	}
+	cm.update("a: 2\n")
+	seen("ConfigMap update", true)
+	cm.update("a: 2\n")
+	seen("ConfigMap update with the same content", false)
+
+	plain := filepath.Join(t.TempDir(), "config.conf")
+	if err := os.WriteFile(plain, []byte("a: 1\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	changed = watchConfigFile(ctx, plain, slog.New(slog.DiscardHandler))
+	if err := os.WriteFile(plain, []byte("a: 3\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	seen("write in place", true)
+}
+
+const reloadConfig = `apiVersion: kubeproxy.config.k8s.io/v1alpha1
+kind: KubeProxyConfiguration
+hostnameOverride: node-1
+healthzBindAddress: 127.0.0.1:0
+metricsBindAddress: 127.0.0.1:0
+iptables:
+  minSyncPeriod: 0s
+`
+
+// TestReloadRebuildsTheTree: kpipe, run from a config file in a ConfigMap
+// volume on a fake apiserver and kernel, takes masqueradeAll: true from an
+// update of the file without exiting; an update with an unknown field is
+// rejected (counted, a Warning event on the Node) and the rules stay as they
+// were; a valid update after it applies again.
+func TestReloadRebuildsTheTree(t *testing.T) {
+	client, watching := watchedClient()
+	kernel := fakekernel.New()
+	var logs syncBuffer
+	log := slog.New(slog.NewTextHandler(&logs, nil))
+	d := fakeDeps(client, kernel, log)
+	cm := newConfigMapDir(t, "config.conf", reloadConfig)
+
+	ctx := runInBackground(t, &logs, func(ctx context.Context) error {
+		code := runWith([]string{"--config=" + cm.path()}, func(_ context.Context, o *Options) error {
+			return runReloading(ctx, o, d, watchConfigFile(ctx, o.ConfigFile, log), func(_ *Options, d deps) (deps, error) {
+				d.connect(client)
+				return d, nil
+			})
+		})
+		if code != 0 {
+			return fmt.Errorf("kpipe exited %d", code)
+		}
+		return nil
+	})
+	waitWatches(t, watching, "services", "endpointslices")
+	createWebService(ctx, t, client)
+
+	// masqueradeAll: every packet to the ClusterIP is marked for SNAT in its
+	// service chain (without it and without a cluster CIDR, none is).
+	masqueraded := func(nat []string) bool { return hasRule(nat, "-A KUBE-SVC-", "-d 10.96.0.10/32", "-j KUBE-MARK-MASQ") }
+	waitNAT(t, kernel, "ns/web's rules", func(nat []string) bool {
+		return hasRule(nat, "-j DNAT --to-destination 10.244.1.5:8080") && !masqueraded(nat)
+	})
+
+	cm.update(reloadConfig + "  masqueradeAll: true\n")
+	waitNAT(t, kernel, "ns/web masqueraded after masqueradeAll: true", masqueraded)
+	if n := testutil.ToFloat64(d.metrics.ConfigReloads.WithLabelValues(metrics.ReloadSuccess)); n != 1 {
+		t.Errorf("%v successful reloads counted, want 1", n)
+	}
+
+	cm.update(reloadConfig + "  masqueradeAll: false\nmasqueradeEverything: true\n")
+	if e := waitNodeEvent(ctx, t, client, events.ReasonReloadFailed); e.Type != "Warning" || !strings.Contains(e.Note, "masqueradeEverything") {
+		t.Errorf("%s event: type %q, note %q; want a Warning naming the unknown field", e.Reason, e.Type, e.Note)
+	}
+	if n := testutil.ToFloat64(d.metrics.ConfigReloads.WithLabelValues(metrics.ReloadFailure)); n != 1 {
+		t.Errorf("%v failed reloads counted, want 1", n)
+	}
+	if v := testutil.ToFloat64(d.metrics.ConfigReloadSuccessful); v != 0 {
+		t.Errorf("kpipe_config_last_reload_successful = %v after a rejected file, want 0", v)
+	}
+	for range 5 { // the rejected file's masqueradeAll: false is not applied
+		if nat := kernel.Rules("nat"); !masqueraded(nat) {
+			t.Fatalf("the rejected file was applied: no masquerade rule")
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+
+	cm.update(reloadConfig)
+	waitNAT(t, kernel, "ns/web not masqueraded after masqueradeAll is dropped", func(nat []string) bool { return !masqueraded(nat) })
+	if v := testutil.ToFloat64(d.metrics.ConfigReloadSuccessful); v != 1 {
+		t.Errorf("kpipe_config_last_reload_successful = %v after a good file, want 1", v)
+	}
+}
+
+// waitNodeEvent waits up to 10 s for an event with reason about Node node-1,
+// in namespace default, and returns it.
+func waitNodeEvent(ctx context.Context, t *testing.T, client kubernetes.Interface, reason string) eventsv1.Event {
+	t.Helper()
+	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(50 * time.Millisecond) {
+		list, err := client.EventsV1().Events("default").List(ctx, metav1.ListOptions{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, e := range list.Items {
+			if e.Reason == reason && e.Regarding.Kind == "Node" && e.Regarding.Name == "node-1" {
+				return e
+			}
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("no %s event about Node node-1 in default; events: %v", reason, list.Items)
+		}
+	}
+}

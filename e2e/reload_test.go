@@ -1,0 +1,130 @@
+package e2e
+
+import (
+	"context"
+	"fmt"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	corev1 "k8s.io/api/core/v1"
+	eventsv1 "k8s.io/api/events/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+
+	"github.com/kpipe/kpipe/e2e/testbed"
+)
+
+// TestConfigFileEditTakesEffect: kpipe runs from kubeadm's config file. While a
+// pod loops over a ClusterIP, the file is edited (replaced by rename, as an
+// editor or a config manager does) from masqueradeAll: false to true: the pod's
+// connections are masqueraded from then on, by the same process, and none
+// fails. Then an edit with an unknown field is rejected: kpipe goes on with the
+// previous configuration (still masqueraded, every time), counts the rejection
+// and records a Warning on its Node. Fixing the file applies it again.
+func TestConfigFileEditTakesEffect(t *testing.T) {
+	e := setup(t)
+	path := kubeadmConfig(t)
+	e.startWith("--config="+path, "--hostname-override="+testbed.NodeName)
+	pid := e.k.PID()
+	svc := e.service("echo", testbed.Port("tcp", corev1.ProtocolTCP, 80, testbed.EchoPort))
+	e.endpoints(svc, 1, 2)
+	addr, pod := testbed.ClusterAddr(svc, 80), tb.Pod(clientPod)
+	expectExactly(t, "masqueradeAll: false, a pod keeps its source", tcp2, pod.NS, addr, podIPs(1, 2), pod.IPv4)
+
+	l := startLoop(tcp(2*time.Second), pod.NS, addr, 10*time.Millisecond)
+	defer func() {
+		if l != nil {
+			l.finish()
+		}
+	}()
+	original := readFile(t, path)
+	masqAll := strings.Replace(original, "masqueradeAll: false", "masqueradeAll: true", 1)
+	if masqAll == original {
+		t.Fatalf("no 'masqueradeAll: false' in the kubeadm config:\n%s", original)
+	}
+	edited := time.Now()
+	replaceFile(t, path, masqAll)
+	expectExactly(t, "masqueradeAll: true after the edit, masqueraded", tcp2, pod.NS, addr, podIPs(1, 2), nodeAddrs4...)
+	t.Logf("masqueradeAll: true in effect %v after the edit", since(edited))
+	keepsAnswering(t, l, "after the edit")
+
+	rejected := time.Now()
+	replaceFile(t, path, strings.Replace(original, "masqueradeAll: false", "masqueradeAll: false\n  masqueradeEverything: true", 1))
+	ev := waitNodeEvent(t, "ConfigReloadFailed", rejected)
+	if ev.Type != corev1.EventTypeWarning || !strings.Contains(ev.Note, "masqueradeEverything") {
+		t.Errorf("ConfigReloadFailed event: type %q note %q, want a Warning naming the unknown field", ev.Type, ev.Note)
+	}
+	if n := metricSum(t, "kpipe_config_reloads_total", map[string]string{"result": "failure"}); n != 1 {
+		t.Errorf("kpipe_config_reloads_total{result=failure} = %v, want 1", n)
+	}
+	if v := metricSum(t, "kpipe_config_last_reload_successful", nil); v != 0 {
+		t.Errorf("kpipe_config_last_reload_successful = %v after a rejected edit, want 0", v)
+	}
+	for i := range 5 { // the rejected file's masqueradeAll: false never applies
+		expectExactly(t, fmt.Sprintf("rejected edit, check %d: still masqueraded", i+1), tcp2, pod.NS, addr, podIPs(1, 2), nodeAddrs4...)
+		time.Sleep(200 * time.Millisecond)
+	}
+	keepsAnswering(t, l, "after the rejected edit")
+
+	replaceFile(t, path, original)
+	expectExactly(t, "masqueradeAll: false again, a pod keeps its source", tcp2, pod.NS, addr, podIPs(1, 2), pod.IPv4)
+	keepsAnswering(t, l, "after the fix")
+
+	ok, failures, _ := l.finish()
+	l = nil
+	t.Logf("config edits: %d connections answered, %d failed", ok, len(failures))
+	if len(failures) > 0 {
+		t.Errorf("%d of %d connections failed across the edits:\n%s", len(failures), ok+len(failures), strings.Join(failures, "\n"))
+	}
+	if got := e.k.PID(); got != pid {
+		t.Errorf("kpipe's PID went from %d to %d: it restarted instead of reloading", pid, got)
+	}
+}
+
+func readFile(t *testing.T, path string) string {
+	t.Helper()
+	b, err := os.ReadFile(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return string(b)
+}
+
+// replaceFile replaces path's content at once: written beside it, renamed over it.
+func replaceFile(t *testing.T, path, content string) {
+	t.Helper()
+	tmp := filepath.Join(filepath.Dir(path), "."+filepath.Base(path)+".new")
+	if err := os.WriteFile(tmp, []byte(content), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Rename(tmp, path); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// waitNodeEvent waits up to 30 s for an event with reason about the test bed's
+// Node, reported by kube-proxy at or after since, and returns it.
+func waitNodeEvent(t *testing.T, reason string, since time.Time) eventsv1.Event {
+	t.Helper()
+	var found eventsv1.Event
+	testbed.Eventually(t, 30*time.Second, func() error {
+		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		defer cancel()
+		list, err := tb.Client().EventsV1().Events("default").List(ctx, metav1.ListOptions{})
+		if err != nil {
+			return err
+		}
+		for _, ev := range list.Items {
+			if ev.Reason == reason && ev.Regarding.Kind == "Node" && ev.Regarding.Name == testbed.NodeName &&
+				ev.ReportingController == "kube-proxy" && !ev.EventTime.Time.Before(since.Truncate(time.Microsecond)) {
+				found = ev
+				return nil
+			}
+		}
+		return fmt.Errorf("no %s event about Node %s since %s among %d events in default",
+			reason, testbed.NodeName, since.Format(time.RFC3339Nano), len(list.Items))
+	})
+	return found
+}
