@@ -29,8 +29,8 @@ func serve(ctx context.Context, o *Options) error {
 	}
 	// Node set-up comes before realDeps, which reads the conntrack sysctls.
 	setUpNode(o, realNodeHost, log)
-	removeNFTablesMode(ctx, log)
 	if o.InitOnly {
+		removeNFTablesMode(ctx, log)
 		log.Info("node set up (--init-only); exiting")
 		return nil
 	}
@@ -38,7 +38,9 @@ func serve(ctx context.Context, o *Options) error {
 	if err != nil {
 		return err
 	}
+	d.board = bus.NewBoard()
 	root := buildTree(o, d)
+	go removeNFTablesModeAfterSync(ctx, d.board, d.families(), log, removeNFTablesMode)
 	log.Info("kpipe starting", "node", o.HostnameOverride, "families", fmt.Sprint(d.families()), "mode", "iptables")
 	o.logIgnored(log)
 	if err := root.Run(ctx); err != nil {

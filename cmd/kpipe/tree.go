@@ -34,6 +34,7 @@ type deps struct {
 	host      hostFacts
 	log       *slog.Logger
 	registry  *prometheus.Registry
+	board     *bus.Board // the stages' reports; nil: a new one
 }
 
 // families are the families kpipe programs, IPv4 first.
@@ -51,7 +52,10 @@ func (d deps) families() []bus.Family {
 // supervisors (see arrange). Control edges are typed: resend (render, commit →
 // coalesce), resync (canary → coalesce), replay (coalesce → watch).
 func buildTree(o *Options, d deps) *supervise.Supervisor {
-	board := bus.NewBoard()
+	board := d.board
+	if board == nil {
+		board = bus.NewBoard()
+	}
 	envs := bus.Envs{Log: d.log, Metrics: metrics.New(d.registry), Board: board}
 	changes, replay := make(chan bus.Change, 1024), bus.NewReplayFlag()
 	checks := bus.NewMergingMailbox(bus.MergeHealthCheckUpdates)
