@@ -11,31 +11,48 @@ import (
 
 // TestSwapKubeProxyNFTablesKpipeBothWays: on a node kube-proxy's nftables mode
 // runs, with the swap traffic all along, kube-proxy (nftables) → kpipe →
-// kube-proxy (nftables): no request fails, and every answer comes from an
-// endpoint while both rule sets are in the kernel. Then, under kube-proxy, an
-// endpoint change is followed (nothing of kpipe's still sends to the old
-// endpoints).
+// kube-proxy (nftables).
+//
+// kube-proxy (nftables) → kpipe: no request fails (kpipe removes kube-proxy's
+// tables only once its own rules are in).
+//
+// kpipe → kube-proxy (nftables): upstream's nftables mode deletes the
+// iptables-mode rules (kpipe's) when it starts, before its own first sync
+// (cmd/kube-proxy/app: Options.Run calls platformCleanup before
+// newProxyServer), so new connections of that window fail whoever ran before.
+// The test measures the same hand-over from upstream's own iptables mode for
+// comparison; in both, a request that began after kube-proxy's first sync
+// must not fail, and every answer comes from an endpoint. Then, under
+// kube-proxy, an endpoint change is followed (nothing of kpipe's still sends
+// to the old endpoints).
 func TestSwapKubeProxyNFTablesKpipeBothWays(t *testing.T) {
 	e := setup(t)
 	tr := newSwapTraffic(e)
-	kp := e.kubeProxy("nftables")
-	e.toKubeProxy(kp)
+	kpIPT, kpNFT := e.kubeProxy("iptables"), e.kubeProxy("nftables")
+	e.toKubeProxy(kpIPT)
 	tr.start()
-	tr.keepsAnswering("kube-proxy (nftables) running")
-	tr.endPhase("kube-proxy (nftables) running")
+	tr.keepsAnswering("kube-proxy (iptables) running")
+	tr.endPhase("kube-proxy (iptables) running")
 
-	e.toKpipe(kp)
+	if err := kpIPT.Stop(); err != nil {
+		t.Fatalf("stop kube-proxy (iptables): %v", err)
+	}
+	synced := e.runKubeProxy(kpNFT)
+	tr.keepsAnswering("kube-proxy (nftables) running")
+	tr.endPhaseTolerating("kube-proxy (iptables) → kube-proxy (nftables), upstream alone", synced)
+
+	e.toKpipe(kpNFT)
 	tr.keepsAnswering("kpipe running")
 	tr.endPhase("kube-proxy (nftables) → kpipe")
 
-	e.toKubeProxy(kp)
+	synced = e.toKubeProxy(kpNFT)
 	tr.keepsAnswering("kube-proxy (nftables) running again")
-	tr.endPhase("kpipe → kube-proxy (nftables)")
+	tr.endPhaseTolerating("kpipe → kube-proxy (nftables)", synced)
 	tr.finish()
 
 	changed := time.Now()
 	e.endpoints(tr.svc, 3, 4)
-	if err := kp.WaitSyncedAfter(changed, 30*time.Second, "IPv4"); err != nil {
+	if err := kpNFT.WaitSyncedAfter(changed, 30*time.Second, "IPv4"); err != nil {
 		t.Fatalf("kube-proxy (nftables) sync after an endpoint change: %v", err)
 	}
 	tr.expectEndpoints("under kube-proxy (nftables) after an endpoint change", 3, 4)
