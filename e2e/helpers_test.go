@@ -264,6 +264,7 @@ type loop struct {
 	mu       sync.Mutex
 	ok       int
 	failures []string
+	failedAt []time.Time // when each failed request began
 	seen     map[string]int
 }
 
@@ -282,6 +283,7 @@ func startLoop(d dialer, ns, addr string, pause time.Duration) *loop {
 			l.mu.Lock()
 			if err != nil {
 				l.failures = append(l.failures, fmt.Sprintf("%s (after %v): %v", start.Format("15:04:05.000"), since(start), err))
+				l.failedAt = append(l.failedAt, start)
 			} else {
 				l.ok++
 				l.seen[a.Endpoint]++

@@ -1,7 +1,6 @@
 package e2e
 
 import (
-	"fmt"
 	"slices"
 	"strings"
 	"testing"
@@ -12,56 +11,8 @@ import (
 	"github.com/kpipe/kpipe/e2e/testbed"
 )
 
-// The swap tests hand the node between kpipe and upstream kube-proxy (the
-// version e2e/controlplane pins, iptables mode) while a client loops TCP
-// connections to a ClusterIP service: neither flushes the other's rules at
-// start, so no connection may fail.
-
 // restoreFailuresMetric counts kube-proxy's failed iptables-restore runs.
 const restoreFailuresMetric = "kubeproxy_sync_proxy_rules_iptables_restore_failures_total"
-
-// startKubeProxy starts upstream kube-proxy in the node namespace (kpipe must be
-// stopped) and makes sure that, when the test ends, kube-proxy is stopped and
-// kpipe runs with its default flags again.
-func (e *env) startKubeProxy() *testbed.KubeProxy {
-	e.t.Helper()
-	kp, err := tb.KubeProxy(e.t.Logf)
-	if err != nil {
-		e.t.Fatalf("kube-proxy unavailable: %v", err)
-	}
-	e.t.Cleanup(func() {
-		if e.t.Failed() {
-			e.t.Logf("--- kube-proxy log (%s):\n%s", kp.LogPath, kp.LogTail(60))
-		}
-		if err := kp.Stop(); err != nil {
-			e.t.Errorf("stop kube-proxy: %v", err)
-		}
-		if !e.k.Running() {
-			if err := e.k.Start(); err != nil {
-				e.t.Errorf("start kpipe again: %v", err)
-			}
-		}
-	})
-	start := time.Now()
-	if err := kp.Start(); err != nil {
-		e.t.Fatalf("start kube-proxy: %v", err)
-	}
-	e.t.Logf("kube-proxy synced %v after start", since(start))
-	return kp
-}
-
-// keepsAnswering fails the test unless the loop gets at least 10 more answers
-// within 10 s (traffic flows at this step).
-func keepsAnswering(t *testing.T, l *loop, step string) {
-	t.Helper()
-	n := l.answered()
-	testbed.Eventually(t, 10*time.Second, func() error {
-		if got := l.answered() - n; got < 10 {
-			return fmt.Errorf("%s: only %d connections answered", step, got)
-		}
-		return nil
-	})
-}
 
 // restoreFailures is kube-proxy's count of failed iptables-restore runs, all
 // IP families (absent until the first failure).
@@ -78,41 +29,22 @@ func restoreFailures(t *testing.T, kp *testbed.KubeProxy) float64 {
 	return sum
 }
 
-// TestSwapKpipeKubeProxyKpipeKeepsTraffic: kpipe → kube-proxy → kpipe, with
-// connections to a ClusterIP service all along: none fails.
+// TestSwapKpipeKubeProxyKpipeKeepsTraffic: kpipe → kube-proxy (iptables) →
+// kpipe, with the swap traffic all along: none fails.
 func TestSwapKpipeKubeProxyKpipeKeepsTraffic(t *testing.T) {
-	e, _, addr, client := answeringEcho(t)
-	l := startLoop(tcp(2*time.Second), client, addr, 10*time.Millisecond)
-	defer func() {
-		if l != nil {
-			l.finish()
-		}
-	}()
-	keepsAnswering(t, l, "kpipe running")
-
-	if err := e.k.Stop(); err != nil {
-		t.Logf("kpipe stopped (exit: %v)", err)
-	}
-	keepsAnswering(t, l, "kpipe stopped")
-	kp := e.startKubeProxy()
-	keepsAnswering(t, l, "kube-proxy running")
-	if err := kp.Stop(); err != nil {
-		t.Fatalf("stop kube-proxy: %v", err)
-	}
-	keepsAnswering(t, l, "kube-proxy stopped")
-	start := time.Now()
-	if err := e.k.Start(); err != nil {
-		t.Fatal(err)
-	}
-	t.Logf("kpipe synced %v after start", since(start))
-	keepsAnswering(t, l, "kpipe running again")
-
-	ok, failures, seen := l.finish()
-	l = nil
-	t.Logf("kpipe → kube-proxy → kpipe: %d connections answered, %d failed, by endpoint %v", ok, len(failures), seen)
-	if len(failures) > 0 {
-		t.Fatalf("%d of %d connections failed across the swaps:\n%s", len(failures), ok+len(failures), strings.Join(failures, "\n"))
-	}
+	e := setup(t)
+	tr := newSwapTraffic(e)
+	tr.start()
+	tr.keepsAnswering("kpipe running")
+	tr.endPhase("kpipe running")
+	kp := e.kubeProxy("iptables")
+	e.toKubeProxy(kp)
+	tr.keepsAnswering("kube-proxy running")
+	tr.endPhase("kpipe → kube-proxy (iptables)")
+	e.toKpipe(kp)
+	tr.keepsAnswering("kpipe running again")
+	tr.endPhase("kube-proxy (iptables) → kpipe")
+	tr.finish()
 }
 
 // TestSwapToKubeProxyThenDeleteAService: kpipe → kube-proxy with traffic
@@ -132,10 +64,8 @@ func TestSwapToKubeProxyThenDeleteAService(t *testing.T) {
 			l.finish()
 		}
 	}()
-	if err := e.k.Stop(); err != nil {
-		t.Logf("kpipe stopped (exit: %v)", err)
-	}
-	kp := e.startKubeProxy()
+	kp := e.kubeProxy("iptables")
+	e.toKubeProxy(kp)
 	keepsAnswering(t, l, "kube-proxy running")
 	if n := restoreFailures(t, kp); n != 0 {
 		t.Fatalf("kube-proxy's first sync over kpipe's rules: %s = %v", restoreFailuresMetric, n)
@@ -177,12 +107,7 @@ func TestSwapToKubeProxyThenDeleteAService(t *testing.T) {
 	}
 
 	// kpipe takes the node back with its defaults.
-	if err := kp.Stop(); err != nil {
-		t.Fatalf("stop kube-proxy: %v", err)
-	}
-	if err := e.k.Start(); err != nil {
-		t.Fatal(err)
-	}
+	e.toKpipe(kp)
 	waitAnswer(t, tcp(2*time.Second), client, addr, 20*time.Second)
 }
 
@@ -248,10 +173,8 @@ func missingFrom(got, want []string) []string {
 // the node back with its defaults.
 func TestSwapThenKubeProxyCleanup(t *testing.T) {
 	e, _, addr, client := answeringEcho(t)
-	if err := e.k.Stop(); err != nil {
-		t.Logf("kpipe stopped (exit: %v)", err)
-	}
-	kp := e.startKubeProxy()
+	kp := e.kubeProxy("iptables")
+	e.toKubeProxy(kp)
 	if err := kp.Stop(); err != nil {
 		t.Fatalf("stop kube-proxy: %v", err)
 	}
@@ -271,7 +194,7 @@ func TestSwapThenKubeProxyCleanup(t *testing.T) {
 	if code, out := runKpipeOnce(t, "--cleanup"); code != 0 {
 		t.Fatalf("kpipe --cleanup: exit %d:\n%s", code, out)
 	}
-	alone := e.startKubeProxy()
+	alone := e.startKubeProxy("iptables")
 	if err := alone.Stop(); err != nil {
 		t.Fatalf("stop kube-proxy: %v", err)
 	}

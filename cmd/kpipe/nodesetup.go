@@ -10,6 +10,7 @@ import (
 	"strconv"
 	"time"
 
+	"github.com/kpipe/kpipe/bus"
 	nf "github.com/kpipe/kpipe/netfilter"
 )
 
@@ -84,6 +85,37 @@ func removeNFTablesMode(ctx context.Context, log *slog.Logger) {
 	if err := nf.DeleteNFTablesKubeProxy(ctx); err != nil {
 		log.Warn("could not remove kube-proxy's nftables tables", "err", err)
 	}
+}
+
+// syncPoll is how often waitFullSyncs looks at the board.
+const syncPoll = 50 * time.Millisecond
+
+// waitFullSyncs waits until every family kpipe programs has committed a full
+// sync (commit's entries on board) and says whether it did before ctx ended.
+// kube-proxy's nftables mode removes the iptables-mode rules when it starts,
+// so on a node it ran, its tables are all that proxies services until kpipe's
+// rules are in: they are removed (deps.afterSync) only then.
+func waitFullSyncs(ctx context.Context, board *bus.Board, families []bus.Family) bool {
+	tick := time.NewTicker(syncPoll)
+	defer tick.Stop()
+	for !fullySynced(board.Read(), families) {
+		select {
+		case <-ctx.Done():
+			return false
+		case <-tick.C:
+		}
+	}
+	return true
+}
+
+// fullySynced says whether every family's commit has reported a full sync.
+func fullySynced(reports map[bus.StageName]bus.Report, families []bus.Family) bool {
+	for _, f := range families {
+		if reports[bus.Commit.Of(f)].LastFullSync.IsZero() {
+			return false
+		}
+	}
+	return true
 }
 
 // cleanup is --cleanup: it removes every rule and chain of kube-proxy's iptables

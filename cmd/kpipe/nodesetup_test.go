@@ -1,6 +1,7 @@
 package main
 
 import (
+	"context"
 	"io"
 	"log/slog"
 	"os"
@@ -8,6 +9,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kpipe/kpipe/bus"
 	nf "github.com/kpipe/kpipe/netfilter"
 )
 
@@ -143,5 +145,58 @@ func TestOneShotModesAreOptions(t *testing.T) {
 		if o.Cleanup != (flag == "--cleanup") || o.InitOnly != (flag == "--init-only") {
 			t.Errorf("%s: Cleanup %v, InitOnly %v", flag, o.Cleanup, o.InitOnly)
 		}
+	}
+}
+
+// kube-proxy's nftables tables are removed only once every family has committed
+// a full sync: a partial sync or one family is not enough.
+func TestRemoveNFTablesModeWaitsForEveryFamilysFullSync(t *testing.T) {
+	board := bus.NewBoard()
+	removed := make(chan struct{})
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		if waitFullSyncs(context.Background(), board, []bus.Family{bus.IPv4, bus.IPv6}) {
+			close(removed)
+		}
+	}()
+	notYet := func(step string) {
+		t.Helper()
+		select {
+		case <-removed:
+			t.Fatalf("tables removed %s", step)
+		case <-time.After(5 * syncPoll):
+		}
+	}
+	notYet("before any sync")
+	board.Publish(bus.Commit.Of(bus.IPv4), bus.Report{LastFullSync: time.Now()})
+	board.Publish(bus.Commit.Of(bus.IPv6), bus.Report{LastSync: time.Now()})
+	notYet("after IPv4's full sync and a partial IPv6 sync")
+	board.Update(bus.Commit.Of(bus.IPv6), func(r *bus.Report) { r.LastFullSync = time.Now() })
+	select {
+	case <-removed:
+	case <-time.After(5 * time.Second):
+		t.Fatal("tables not removed after both families' full syncs")
+	}
+	<-done
+}
+
+// kpipe stopping before its first full sync leaves the tables (they may be
+// all that proxies the node).
+func TestRemoveNFTablesModeNotWhenStoppedBeforeSync(t *testing.T) {
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		if waitFullSyncs(ctx, bus.NewBoard(), []bus.Family{bus.IPv4}) {
+			t.Error("full syncs seen without a sync")
+		}
+	}()
+	time.Sleep(3 * syncPoll)
+	cancel()
+	select {
+	case <-done:
+	case <-time.After(5 * time.Second):
+		t.Fatal("still waiting after its context ended")
 	}
 }

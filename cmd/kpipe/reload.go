@@ -9,12 +9,14 @@ import (
 	"os"
 	"path/filepath"
 	"reflect"
+	"sync/atomic"
 	"time"
 
 	"github.com/fsnotify/fsnotify"
 	"github.com/spf13/pflag"
 	k8sevents "k8s.io/client-go/tools/events"
 
+	"github.com/kpipe/kpipe/bus"
 	"github.com/kpipe/kpipe/metrics"
 	"github.com/kpipe/kpipe/stages/events"
 	"github.com/kpipe/kpipe/supervise"
@@ -114,9 +116,21 @@ func (o *Options) reread() (*Options, error) {
 // and the running tree carries on.
 func runReloading(ctx context.Context, o *Options, d deps, changed <-chan struct{},
 	reconfigure func(*Options, deps) (deps, error)) error {
+	var afterSyncDone atomic.Bool
 	for {
 		d.log.Info("kpipe starting", "node", o.HostnameOverride, "families", fmt.Sprint(d.families()), "mode", "iptables")
-		next, nextDeps, err := runUntilReload(ctx, buildTree(o, d), o, d, changed, reconfigure)
+		d.board = bus.NewBoard()
+		treeCtx, stopTree := context.WithCancel(ctx)
+		if d.afterSync != nil && !afterSyncDone.Load() {
+			go func(board *bus.Board, families []bus.Family, afterSync func(context.Context, *slog.Logger), log *slog.Logger) {
+				if waitFullSyncs(treeCtx, board, families) {
+					afterSync(treeCtx, log)
+					afterSyncDone.Store(true)
+				}
+			}(d.board, d.families(), d.afterSync, d.log)
+		}
+		next, nextDeps, err := runUntilReload(treeCtx, buildTree(o, d), o, d, changed, reconfigure)
+		stopTree()
 		d.broadcaster.Shutdown() // the stopped tree's events
 		if err != nil {
 			d.log.Error("kpipe stopping: a stage kept failing", "err", err)

@@ -7,6 +7,7 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -118,6 +119,8 @@ func TestReloadRebuildsTheTree(t *testing.T) {
 	var logs syncBuffer
 	log := slog.New(slog.NewTextHandler(&logs, nil))
 	d := fakeDeps(client, kernel, log)
+	var afterSyncs atomic.Int32
+	d.afterSync = func(context.Context, *slog.Logger) { afterSyncs.Add(1) }
 	cm := newConfigMapDir(t, "config.conf", reloadConfig)
 
 	ctx := runInBackground(t, &logs, func(ctx context.Context) error {
@@ -169,6 +172,9 @@ func TestReloadRebuildsTheTree(t *testing.T) {
 	waitNAT(t, kernel, "ns/web not masqueraded after masqueradeAll is dropped", func(nat []string) bool { return !masqueraded(nat) })
 	if v := testutil.ToFloat64(d.metrics.ConfigReloadSuccessful); v != 1 {
 		t.Errorf("kpipe_config_last_reload_successful = %v after a good file, want 1", v)
+	}
+	if n := afterSyncs.Load(); n != 1 {
+		t.Errorf("the after-first-sync step (removal of kube-proxy's nftables tables) ran %d times over three trees, want once", n)
 	}
 }
 

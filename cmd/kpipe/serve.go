@@ -32,8 +32,8 @@ func serve(ctx context.Context, o *Options) error {
 	}
 	// Node set-up comes before realDeps, which reads the conntrack sysctls.
 	setUpNode(o, realNodeHost, log)
-	removeNFTablesMode(ctx, log)
 	if o.InitOnly {
+		removeNFTablesMode(ctx, log)
 		log.Info("node set up (--init-only); exiting")
 		return nil
 	}
@@ -41,6 +41,7 @@ func serve(ctx context.Context, o *Options) error {
 	if err != nil {
 		return err
 	}
+	d.afterSync = removeNFTablesMode
 	o.logIgnored(log)
 	return runReloading(ctx, o, d, watchConfigFile(ctx, o.ConfigFile, log), func(o *Options, d deps) (deps, error) {
 		log := newLogger(os.Stderr, o.LogFormat, o.LogLevel)

@@ -41,6 +41,10 @@ type deps struct {
 	registry  *prometheus.Registry
 	// metrics are registered once in registry: every tree reports to them.
 	metrics *metrics.Metrics
+	board   *bus.Board // the stages' reports; nil: a new one
+	// afterSync is done once every family has made its first full sync
+	// (removeNFTablesMode); nil: nothing.
+	afterSync func(context.Context, *slog.Logger)
 }
 
 // connect makes d use client, with an event recorder of its own.
@@ -69,7 +73,10 @@ func (d deps) families() []bus.Family {
 // supervisors (see arrange). Control edges are typed: resend (render, commit →
 // coalesce), resync (canary → coalesce), replay (coalesce → watch).
 func buildTree(o *Options, d deps) *supervise.Supervisor {
-	board := bus.NewBoard()
+	board := d.board
+	if board == nil {
+		board = bus.NewBoard()
+	}
 	envs := bus.Envs{Log: d.log, Metrics: d.metrics, Board: board}
 	changes, replay := make(chan bus.Change, 1024), bus.NewReplayFlag()
 	checks := bus.NewMergingMailbox(bus.MergeHealthCheckUpdates)

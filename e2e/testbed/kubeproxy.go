@@ -22,27 +22,31 @@ type KubeProxy struct {
 	tb      *Testbed
 	Bin     string
 	LogPath string
-	proc    *Process
+	// Mode is its --proxy-mode: "iptables" or "nftables".
+	Mode string
+	proc *Process
 }
 
-// KubeProxy returns upstream kube-proxy ready to Start (built with the
-// control plane, so normally already in the cache).
-func (tb *Testbed) KubeProxy(logf func(string, ...any)) (*KubeProxy, error) {
+// KubeProxy returns upstream kube-proxy in mode ("iptables" or "nftables")
+// ready to Start (built with the control plane, so normally already in the
+// cache).
+func (tb *Testbed) KubeProxy(mode string, logf func(string, ...any)) (*KubeProxy, error) {
 	bins, err := EnsureControlPlane(tb.Root, logf)
 	if err != nil {
 		return nil, err
 	}
-	return &KubeProxy{tb: tb, Bin: bins.KubeProxy, LogPath: tb.path("kube-proxy.log")}, nil
+	return &KubeProxy{tb: tb, Bin: bins.KubeProxy, Mode: mode, LogPath: tb.path("kube-proxy-" + mode + ".log")}, nil
 }
 
-// KubeProxyArgs are the flags the test bed runs kube-proxy with: iptables mode,
-// kpipe's node and cluster CIDR, its own ports. --conntrack-max-per-core 0
-// leaves nf_conntrack_max alone (the node namespace cannot set it).
-func (tb *Testbed) KubeProxyArgs() []string {
+// KubeProxyArgs are the flags the test bed runs kube-proxy with in mode
+// (--proxy-mode): kpipe's node and cluster CIDR, its own ports.
+// --conntrack-max-per-core 0 leaves nf_conntrack_max alone (the node namespace
+// cannot set it).
+func (tb *Testbed) KubeProxyArgs(mode string) []string {
 	return []string{
 		"--kubeconfig", tb.Kubeconfig,
 		"--hostname-override", NodeName,
-		"--proxy-mode", "iptables",
+		"--proxy-mode", mode,
 		"--cluster-cidr", ClusterCIDR,
 		"--iptables-min-sync-period", "100ms",
 		"--healthz-bind-address", "127.0.0.1:10266",
@@ -59,7 +63,7 @@ func (kp *KubeProxy) Start() error {
 		return errors.New("kube-proxy is already running")
 	}
 	started := time.Now()
-	argv := append([]string{"ip", "netns", "exec", kp.tb.NodeNS, kp.Bin}, kp.tb.KubeProxyArgs()...)
+	argv := append([]string{"ip", "netns", "exec", kp.tb.NodeNS, kp.Bin}, kp.tb.KubeProxyArgs(kp.Mode)...)
 	p, err := startProcess("kube-proxy", kp.LogPath, nil, argv...)
 	if err != nil {
 		return err
