@@ -405,12 +405,21 @@ func rulesMatching(save string, words ...string) []string {
 // labels include every pair of labels.
 func metricSum(t *testing.T, name string, labels map[string]string) float64 {
 	t.Helper()
-	code, body, err := tb.HTTPGet(tb.NodeNS, testbed.MetricsURL+"/metrics")
+	sum, err := scrapeSum(name, labels)
 	if err != nil {
 		t.Fatal(err)
 	}
+	return sum
+}
+
+// scrapeSum is metricSum's work: an error when /metrics does not answer.
+func scrapeSum(name string, labels map[string]string) (float64, error) {
+	code, body, err := tb.HTTPGet(tb.NodeNS, testbed.MetricsURL+"/metrics")
+	if err != nil {
+		return 0, err
+	}
 	if code != 200 {
-		t.Fatalf("/metrics: HTTP %d: %s", code, body)
+		return 0, fmt.Errorf("/metrics: HTTP %d: %s", code, body)
 	}
 	sum := 0.0
 	sc := bufio.NewScanner(strings.NewReader(string(body)))
@@ -445,5 +454,5 @@ func metricSum(t *testing.T, name string, labels map[string]string) float64 {
 			sum += v
 		}
 	}
-	return sum
+	return sum, nil
 }

@@ -33,6 +33,7 @@ type Metrics struct {
 	ConntrackDuration      *prometheus.HistogramVec // by ip_family
 	Skipped                *prometheus.CounterVec   // kpipe: invalid API objects skipped, by kind and reason
 	StageRestarts          *prometheus.CounterVec   // kpipe: supervisor restarts, by stage
+	Escalations            *prometheus.CounterVec   // kpipe: supervisors that spent their restart budget, by supervisor
 	ConfigReloads          *prometheus.CounterVec   // kpipe: config file changes read, by result
 	ConfigReloadSuccessful prometheus.Gauge         // kpipe: 1 unless the config file's last change was rejected
 }
@@ -103,6 +104,8 @@ func New(reg prometheus.Registerer) *Metrics {
 			Name: "kpipe_skipped_objects_total", Help: "API objects or parts of them skipped because they are invalid"}, []string{"kind", "reason"}),
 		StageRestarts: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "kpipe_stage_restarts_total", Help: "Restarts of a pipeline stage by its supervisor"}, []string{"stage"}),
+		Escalations: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "kpipe_supervisor_escalations_total", Help: "Supervisors that spent their restart budget and failed to their parent"}, []string{"supervisor"}),
 		ConfigReloads: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "kpipe_config_reloads_total", Help: "Changes of the config file read, by result (failure: rejected, the previous configuration kept)"}, []string{"result"}),
 		ConfigReloadSuccessful: prometheus.NewGauge(prometheus.GaugeOpts{
@@ -112,7 +115,7 @@ func New(reg prometheus.Registerer) *Metrics {
 	reg.MustRegister(m.SyncDuration, m.SyncFullDuration, m.SyncPartialDuration, m.NetworkProgramming,
 		m.LastSync, m.LastQueued, m.RestoreFailures, m.PartialRestoreFailures, m.RulesTotal, m.RulesLast,
 		m.ServiceChanges, m.EndpointChanges, m.ServicesPending, m.EndpointsPending, m.NoLocalEndpoints,
-		m.HealthzTotal, m.LivezTotal, m.ConntrackDeleted, m.ConntrackDuration, m.Skipped, m.StageRestarts,
+		m.HealthzTotal, m.LivezTotal, m.ConntrackDeleted, m.ConntrackDuration, m.Skipped, m.StageRestarts, m.Escalations,
 		m.ConfigReloads, m.ConfigReloadSuccessful)
 	return m
 }

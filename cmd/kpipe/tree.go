@@ -119,8 +119,13 @@ func buildTree(o *Options, d deps) *supervise.Supervisor {
 		envs.Metrics.StageRestarts.WithLabelValues(stage).Inc()
 		board.Reporter(bus.StageName(stage)).Failed(err, time.Now())
 	}
+	onEvent := func(ev supervise.Event) {
+		if ev.Kind == supervise.Escalated {
+			envs.Metrics.Escalations.WithLabelValues(ev.Supervisor).Inc()
+		}
+	}
 	root = arrange(r, func(s supervise.Strategy) supervise.Options {
-		return supervise.Options{Strategy: s, Logger: d.log, OnRestart: onRestart}
+		return supervise.Options{Strategy: s, Logger: d.log, OnRestart: onRestart, OnEvent: onEvent}
 	})
 	return root
 }
