@@ -28,7 +28,7 @@ func serve(ctx context.Context, o *Options) error {
 		return cleanup(ctx, log)
 	}
 	// Node set-up comes before realDeps, which reads the conntrack sysctls.
-	setUpNode(o, realNodeHost, log)
+	setupFailures := setUpNode(o, realNodeHost, log)
 	removeNFTablesMode(ctx, log)
 	if o.InitOnly {
 		log.Info("node set up (--init-only); exiting")
@@ -38,6 +38,7 @@ func serve(ctx context.Context, o *Options) error {
 	if err != nil {
 		return err
 	}
+	d.setupFailures = setupFailures
 	root := buildTree(o, d)
 	log.Info("kpipe starting", "node", o.HostnameOverride, "families", fmt.Sprint(d.families()), "mode", "iptables")
 	o.logIgnored(log)

@@ -32,8 +32,10 @@ type deps struct {
 	// conntrack opens the conntrack connection; nil: netlink.
 	conntrack func() (conntrack.Clearer, error)
 	host      hostFacts
-	log       *slog.Logger
-	registry  *prometheus.Registry
+	// setupFailures are the node set-up steps that failed (recorded as events).
+	setupFailures []events.SetupFailure
+	log           *slog.Logger
+	registry      *prometheus.Registry
 }
 
 // families are the families kpipe programs, IPv4 first.
@@ -78,7 +80,7 @@ func buildTree(o *Options, d deps) *supervise.Supervisor {
 		In: changes, Replay: replay, Families: coalesceIO, Env: envs.For(bus.Coalesce)}).Run
 	broadcaster, recorder := events.NewRecorder(d.client)
 	r.events = events.NewStage(events.Params{Broadcaster: broadcaster, Recorder: recorder, Node: o.HostnameOverride,
-		Families: d.families(), Board: board, Env: envs.For(events.Name)}).Run
+		SetupFailures: d.setupFailures, Families: d.families(), Board: board, Env: envs.For(events.Name)}).Run
 	r.canary = canary.NewStage(canary.Params{Interval: o.CanaryInterval, Resync: resync, Tools: d.canaries, Env: envs.For(bus.Canary)}).Run
 
 	var root *supervise.Supervisor
