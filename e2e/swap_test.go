@@ -22,8 +22,10 @@ const restoreFailuresMetric = "kubeproxy_sync_proxy_rules_iptables_restore_failu
 
 // startKubeProxy starts upstream kube-proxy in the node namespace (kpipe must be
 // stopped) and makes sure that, when the test ends, kube-proxy is stopped and
-// kpipe runs with its default flags again.
-func (e *env) startKubeProxy() *testbed.KubeProxy {
+// kpipe runs with its default flags again. Without args it runs with the test
+// bed's flags and is waited for until it synced; with args, with only those,
+// not waited for.
+func (e *env) startKubeProxy(args ...string) *testbed.KubeProxy {
 	e.t.Helper()
 	kp, err := tb.KubeProxy(e.t.Logf)
 	if err != nil {
@@ -43,10 +45,15 @@ func (e *env) startKubeProxy() *testbed.KubeProxy {
 		}
 	})
 	start := time.Now()
-	if err := kp.Start(); err != nil {
+	if len(args) > 0 {
+		err = kp.StartWith(args...)
+	} else {
+		err = kp.Start()
+	}
+	if err != nil {
 		e.t.Fatalf("start kube-proxy: %v", err)
 	}
-	e.t.Logf("kube-proxy synced %v after start", since(start))
+	e.t.Logf("kube-proxy started (%v)", since(start))
 	return kp
 }
 

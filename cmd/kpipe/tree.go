@@ -90,7 +90,7 @@ func buildTree(o *Options, d deps) *supervise.Supervisor {
 	}
 	r.health = health.New(health.Params{Config: health.Config{
 		HealthzAddr: o.HealthzBindAddress, MetricsAddr: o.MetricsBindAddress, BindHardFail: o.BindAddressHardFail, EnableDebug: o.EnableDebugHandlers,
-		SyncPeriod: o.SyncPeriod, NodeName: o.HostnameOverride, Families: d.families(), Configz: o, SideStages: r.sideStages(),
+		SyncPeriod: o.SyncPeriod, NodeName: o.HostnameOverride, Families: d.families(), Configz: o.configz(), SideStages: r.sideStages(),
 	}, Board: board, Gatherer: d.registry, Checks: checks, Stages: stagesHandler, Env: envs.For(bus.Health)}).Run
 
 	onRestart := func(stage string, err error) {
