@@ -293,7 +293,15 @@ func TestUDPConntrackClearedOnEndpointRemoval(t *testing.T) {
 
 func TestCanaryRepairsFlushedNAT(t *testing.T) {
 	e, svc, addr, client := answeringEcho(t)
+	e.repairsFlushedNAT(svc, addr, client, 10*time.Second) // canary interval is 1s: "a few" of them
+}
 
+// repairsFlushedNAT flushes the node's nat table behind kpipe's back (its rules,
+// then its rules and chains) and expects svc at addr to answer from client again
+// within the given time, its NAT rules back.
+func (e *env) repairsFlushedNAT(svc *corev1.Service, addr, client string, within time.Duration) {
+	t := e.t
+	t.Helper()
 	for _, round := range []struct {
 		name string
 		cmds [][]string
@@ -309,8 +317,7 @@ func TestCanaryRepairsFlushedNAT(t *testing.T) {
 		start := time.Now()
 		_, err := tb.DialTCP(client, addr, 200*time.Millisecond)
 		t.Logf("%s: right after: %v", round.name, errString(err))
-		// canary interval is 1s: "a few" of them
-		testbed.Eventually(t, 10*time.Second, func() error {
+		testbed.Eventually(t, within, func() error {
 			_, err := tb.DialTCP(client, addr, 500*time.Millisecond)
 			return err
 		})

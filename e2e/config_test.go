@@ -1,10 +1,14 @@
 package e2e
 
 import (
+	"encoding/json"
 	"errors"
+	"fmt"
 	"os"
 	"os/exec"
 	"path/filepath"
+	"reflect"
+	"sort"
 	"strings"
 	"testing"
 	"time"
@@ -14,21 +18,32 @@ import (
 	"github.com/kpipe/kpipe/e2e/testbed"
 )
 
-// kubeadmConfig is the KubeProxyConfiguration kubeadm v1.34 writes into the
-// kube-proxy ConfigMap, pointed at this test bed (its kubeconfig and pod CIDR).
-func kubeadmConfig(t *testing.T, extra ...string) string {
+// kubeadmConfigText is the KubeProxyConfiguration kubeadm v1.34 writes into the
+// kube-proxy ConfigMap (cmd/kpipe/testdata says how it was made), pointed at this
+// test bed: its kubeconfig and its pod CIDR.
+func kubeadmConfigText(t *testing.T) string {
 	t.Helper()
 	b, err := os.ReadFile("../cmd/kpipe/testdata/kubeadm-kube-proxy.conf")
 	if err != nil {
 		t.Fatal(err)
 	}
-	cfg := strings.NewReplacer(
+	text := string(b)
+	for _, old := range []string{"kubeconfig: /var/lib/kube-proxy/kubeconfig.conf", "clusterCIDR: 10.244.0.0/16"} {
+		if !strings.Contains(text, old) {
+			t.Fatalf("the kubeadm file has no %q to point at the test bed", old)
+		}
+	}
+	return strings.NewReplacer(
 		"kubeconfig: /var/lib/kube-proxy/kubeconfig.conf", "kubeconfig: "+tb.Kubeconfig,
 		"clusterCIDR: 10.244.0.0/16", "clusterCIDR: "+testbed.ClusterCIDR,
-		`metricsBindAddress: ""`, "metricsBindAddress: 127.0.0.1:10249",
-	).Replace(string(b)) + strings.Join(extra, "")
+	).Replace(text)
+}
+
+// configFile writes a configuration file for the test and returns its path.
+func configFile(t *testing.T, text string) string {
+	t.Helper()
 	path := filepath.Join(t.TempDir(), "config.conf")
-	if err := os.WriteFile(path, []byte(cfg), 0o644); err != nil {
+	if err := os.WriteFile(path, []byte(text), 0o644); err != nil {
 		t.Fatal(err)
 	}
 	return path
@@ -61,11 +76,16 @@ func (e *env) clusterIPAndNodePortAnswer() {
 }
 
 // kubeadm's DaemonSet runs `kube-proxy --config=... --hostname-override=$(NODE_NAME)`:
-// kpipe runs from the same two flags and the same file, and proxies.
+// kpipe runs from the same two flags and the same file (kube-proxy's defaults
+// throughout: 30 s sync and canary period), proxies ClusterIP, NodePort and
+// externalTrafficPolicy Local, and brings back nat rules flushed behind its back.
 func TestConfigKubeadmFile(t *testing.T) {
 	e := setup(t)
-	e.startWith("--config="+kubeadmConfig(t), "--hostname-override="+testbed.NodeName)
+	e.startWith("--config="+configFile(t, kubeadmConfigText(t)), "--hostname-override="+testbed.NodeName)
 	e.clusterIPAndNodePortAnswer()
+	e.externalTrafficPolicyLocal()
+	svc, addr, client := e.answeringEcho()
+	e.repairsFlushedNAT(svc, addr, client, 45*time.Second) // the canary runs every syncPeriod (30 s)
 }
 
 // A field kube-proxy's configuration does not have is an error naming it, and
@@ -75,7 +95,7 @@ func TestConfigUnknownFieldExits2(t *testing.T) {
 		t.Fatalf("kpipe unavailable: %v", kpipeErr)
 	}
 	bin := tb.Kpipe().Bin
-	cfg := kubeadmConfig(t, "masqueradeEverything: true\n")
+	cfg := configFile(t, kubeadmConfigText(t)+"masqueradeEverything: true\n")
 	cmd := exec.Command(bin, "--config="+cfg, "--hostname-override="+testbed.NodeName)
 	out, err := cmd.CombinedOutput()
 	var exit *exec.ExitError
@@ -84,6 +104,122 @@ func TestConfigUnknownFieldExits2(t *testing.T) {
 	}
 	if !strings.Contains(string(out), "masqueradeEverything") {
 		t.Errorf("output does not name the unknown field masqueradeEverything:\n%s", out)
+	}
+}
+
+// configz reads /configz from the node's metrics address (kube-proxy's default,
+// 127.0.0.1:10249), waiting for it to answer.
+func configz(t *testing.T) map[string]any {
+	t.Helper()
+	var doc map[string]any
+	testbed.Eventually(t, 60*time.Second, func() error {
+		code, body, err := tb.HTTPGet(tb.NodeNS, testbed.MetricsURL+"/configz")
+		if err != nil {
+			return err
+		}
+		if code != 200 {
+			return fmt.Errorf("/configz: HTTP %d: %s", code, body)
+		}
+		return json.Unmarshal(body, &doc)
+	})
+	return doc
+}
+
+// configzDiff lists where b differs from a: keys one of them lacks (at any
+// depth), and leaf values that differ.
+func configzDiff(path string, a, b any) []string {
+	am, aok := a.(map[string]any)
+	bm, bok := b.(map[string]any)
+	if !aok || !bok {
+		if !reflect.DeepEqual(a, b) {
+			return []string{fmt.Sprintf("%s: %v, kpipe %v", path, a, b)}
+		}
+		return nil
+	}
+	var out []string
+	for k, v := range am {
+		if w, ok := bm[k]; ok {
+			out = append(out, configzDiff(path+"."+k, v, w)...)
+		} else {
+			out = append(out, path+"."+k+": missing in kpipe's")
+		}
+	}
+	for k := range bm {
+		if _, ok := am[k]; !ok {
+			out = append(out, path+"."+k+": kpipe's only")
+		}
+	}
+	return out
+}
+
+// conntrackSysctls are the node namespace's conntrack sysctls that kube-proxy
+// and kpipe set from a configuration.
+var conntrackSysctls = []string{"nf_conntrack_tcp_timeout_established", "nf_conntrack_tcp_timeout_close_wait",
+	"nf_conntrack_tcp_be_liberal", "nf_conntrack_udp_timeout", "nf_conntrack_udp_timeout_stream"}
+
+// keepConntrackSysctls puts the node namespace's conntrack sysctls back when
+// the test ends.
+func keepConntrackSysctls(t *testing.T) {
+	t.Helper()
+	for _, name := range conntrackSysctls {
+		path := "/proc/sys/net/netfilter/" + name
+		before, err := tb.Exec(tb.NodeNS, "cat", path)
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { _, _ = tb.Exec(tb.NodeNS, "sh", "-c", "echo "+strings.TrimSpace(before)+" > "+path) })
+	}
+}
+
+// Upstream kube-proxy and kpipe, each run with the same file and the hostname
+// flag of kubeadm's DaemonSet, answer /configz with the same document: the same
+// keys at every level (kube-proxy's internal configuration, under
+// "kubeproxy.config.k8s.io") and the same values. Files: kubeadm's, and
+// kubeadm's with a value other than the default for every field kpipe honours
+// (and some it does not, which it shows as read).
+func TestConfigzLikeKubeProxy(t *testing.T) {
+	e := setup(t)
+	keepConntrackSysctls(t)
+	// kube-proxy exits when it cannot set nf_conntrack_max, which the node's
+	// namespace cannot: maxPerCore 0 leaves it alone, in both.
+	kubeadm := strings.Replace(kubeadmConfigText(t), "maxPerCore: null", "maxPerCore: 0", 1)
+	changed := strings.NewReplacer(
+		"bindAddressHardFail: false", "bindAddressHardFail: true", "enableProfiling: false", "enableProfiling: true",
+		"qps: 0", "qps: 7", "burst: 0", "burst: 9", "contentType: \"\"", "contentType: application/json",
+		"syncPeriod: 0s", "syncPeriod: 20s", "minSyncPeriod: 0s", "minSyncPeriod: 2s", "configSyncPeriod: 0s", "configSyncPeriod: 5m",
+		"masqueradeAll: false", "masqueradeAll: true", "masqueradeBit: null", "masqueradeBit: 13",
+		"localhostNodePorts: null", "localhostNodePorts: false", "nodePortAddresses: null", "nodePortAddresses: [10.0.0.0/8]",
+		"min: null", "min: 1000", "tcpEstablishedTimeout: null", "tcpEstablishedTimeout: 2h", "tcpCloseWaitTimeout: null", "tcpCloseWaitTimeout: 30m",
+		"tcpBeLiberal: false", "tcpBeLiberal: true", "udpTimeout: 0s", "udpTimeout: 40s", "udpStreamTimeout: 0s", "udpStreamTimeout: 150s",
+		"oomScoreAdj: null", "oomScoreAdj: -500", "verbosity: 0", "verbosity: 2", "interfaceNamePrefix: \"\"", "interfaceNamePrefix: veth",
+	).Replace(kubeadm)
+	e.restoreKpipeAtEnd()
+	for _, file := range []struct{ name, text string }{{"kubeadm", kubeadm}, {"changed", changed}} {
+		args := []string{"--config=" + configFile(t, file.text), "--hostname-override=" + testbed.NodeName}
+		if err := e.k.Stop(); err != nil {
+			t.Fatalf("stop kpipe: %v", err)
+		}
+		kp := e.kubeProxy("iptables")
+		if err := kp.StartWith(args...); err != nil {
+			t.Fatalf("start kube-proxy: %v", err)
+		}
+		upstream := configz(t)
+		if err := kp.Stop(); err != nil {
+			t.Fatalf("stop kube-proxy: %v", err)
+		}
+		e.startWith(args...)
+		ours := configz(t)
+
+		doc, _ := json.Marshal(upstream)
+		t.Logf("%s: kube-proxy's /configz: %s", file.name, doc)
+		if _, ok := upstream["kubeproxy.config.k8s.io"]; !ok {
+			t.Fatalf("%s: kube-proxy's /configz has no kubeproxy.config.k8s.io", file.name)
+		}
+		if diff := configzDiff("", upstream, ours); len(diff) > 0 {
+			sort.Strings(diff)
+			got, _ := json.Marshal(ours)
+			t.Errorf("%s: kpipe's /configz differs from kube-proxy's:\n%s\n--- kpipe's:\n%s", file.name, strings.Join(diff, "\n"), got)
+		}
 	}
 }
 

@@ -140,8 +140,13 @@ func TestLoadBalancerSourceRanges(t *testing.T) {
 // externalIP goes only to endpoints on this node and keeps the client's
 // source IP; with no local endpoint it is dropped. Traffic from a pod or from
 // the node still reaches every endpoint.
-func TestExternalTrafficPolicyLocal(t *testing.T) {
-	e := setup(t)
+func TestExternalTrafficPolicyLocal(t *testing.T) { setup(t).externalTrafficPolicyLocal() }
+
+// externalTrafficPolicyLocal is TestExternalTrafficPolicyLocal in e's namespace,
+// with kpipe as it runs.
+func (e *env) externalTrafficPolicyLocal() {
+	t := e.t
+	t.Helper()
 	spec := typed(e.ns, "local", corev1.ServiceTypeLoadBalancer,
 		testbed.Port("tcp", corev1.ProtocolTCP, 80, testbed.EchoPort),
 		testbed.Port("udp", corev1.ProtocolUDP, 80, testbed.EchoPort))

@@ -317,10 +317,17 @@ func since(start time.Time) time.Duration { return time.Since(start).Round(time.
 func answeringEcho(t *testing.T) (*env, *corev1.Service, string, string) {
 	t.Helper()
 	e := setup(t)
+	svc, addr, client := e.answeringEcho()
+	return e, svc, addr, client
+}
+
+// answeringEcho is answeringEcho in e's namespace, with kpipe as it runs.
+func (e *env) answeringEcho() (*corev1.Service, string, string) {
+	e.t.Helper()
 	svc := e.service("echo", testbed.Port("http", corev1.ProtocolTCP, 80, testbed.EchoPort))
 	e.endpoints(svc, 1, 2)
 	addr := testbed.ClusterAddr(svc, 80)
 	client := tb.Pod(clientPod).NS
-	waitAnswer(t, tcp(2*time.Second), client, addr, 20*time.Second)
-	return e, svc, addr, client
+	waitAnswer(e.t, tcp(2*time.Second), client, addr, 20*time.Second)
+	return svc, addr, client
 }

@@ -1,7 +1,6 @@
 package e2e
 
 import (
-	"context"
 	"fmt"
 	"os"
 	"path/filepath"
@@ -10,8 +9,6 @@ import (
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
-	eventsv1 "k8s.io/api/events/v1"
-	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	"github.com/kpipe/kpipe/e2e/testbed"
 )
@@ -25,7 +22,7 @@ import (
 // and records a Warning on its Node. Fixing the file applies it again.
 func TestConfigFileEditTakesEffect(t *testing.T) {
 	e := setup(t)
-	path := kubeadmConfig(t)
+	path := configFile(t, kubeadmConfigText(t))
 	e.startWith("--config="+path, "--hostname-override="+testbed.NodeName)
 	pid := e.k.PID()
 	svc := e.service("echo", testbed.Port("tcp", corev1.ProtocolTCP, 80, testbed.EchoPort))
@@ -52,7 +49,7 @@ func TestConfigFileEditTakesEffect(t *testing.T) {
 
 	rejected := time.Now()
 	replaceFile(t, path, strings.Replace(original, "masqueradeAll: false", "masqueradeAll: false\n  masqueradeEverything: true", 1))
-	ev := waitNodeEvent(t, "ConfigReloadFailed", rejected)
+	ev := e.waitNodeEvent("ConfigReloadFailed", rejected)
 	if ev.Type != corev1.EventTypeWarning || !strings.Contains(ev.Note, "masqueradeEverything") {
 		t.Errorf("ConfigReloadFailed event: type %q note %q, want a Warning naming the unknown field", ev.Type, ev.Note)
 	}
@@ -102,29 +99,4 @@ func replaceFile(t *testing.T, path, content string) {
 	if err := os.Rename(tmp, path); err != nil {
 		t.Fatal(err)
 	}
-}
-
-// waitNodeEvent waits up to 30 s for an event with reason about the test bed's
-// Node, reported by kube-proxy at or after since, and returns it.
-func waitNodeEvent(t *testing.T, reason string, since time.Time) eventsv1.Event {
-	t.Helper()
-	var found eventsv1.Event
-	testbed.Eventually(t, 30*time.Second, func() error {
-		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
-		defer cancel()
-		list, err := tb.Client().EventsV1().Events("default").List(ctx, metav1.ListOptions{})
-		if err != nil {
-			return err
-		}
-		for _, ev := range list.Items {
-			if ev.Reason == reason && ev.Regarding.Kind == "Node" && ev.Regarding.Name == testbed.NodeName &&
-				ev.ReportingController == "kube-proxy" && !ev.EventTime.Time.Before(since.Truncate(time.Microsecond)) {
-				found = ev
-				return nil
-			}
-		}
-		return fmt.Errorf("no %s event about Node %s since %s among %d events in default",
-			reason, testbed.NodeName, since.Format(time.RFC3339Nano), len(list.Items))
-	})
-	return found
 }

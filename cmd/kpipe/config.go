@@ -1,17 +1,21 @@
 package main
 
 import (
+	"cmp"
 	"fmt"
 	"net"
 	"net/netip"
 	"os"
 	"strconv"
+	"strings"
 	"time"
 
 	"github.com/spf13/pflag"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/runtime/serializer"
+	componentbaseconfig "k8s.io/component-base/config"
+	logsapi "k8s.io/component-base/logs/api/v1"
 	kubeproxy "k8s.io/kube-proxy/config/v1alpha1"
 	"k8s.io/utils/ptr"
 	"sigs.k8s.io/yaml"
@@ -48,7 +52,9 @@ func loadConfigFile(path string) (*kubeproxy.KubeProxyConfiguration, error) {
 }
 
 // setConfigDefaults gives zero values kube-proxy's defaults, as upstream's
-// SetDefaults_KubeProxyConfiguration does, for the fields kpipe reads.
+// SetDefaults_KubeProxyConfiguration does: those of the fields kpipe reads, and
+// those of the other modes' fields, which /configz and --write-config-to show
+// as kube-proxy does.
 func setConfigDefaults(c *kubeproxy.KubeProxyConfiguration) {
 	if c.BindAddress == "" {
 		c.BindAddress = "0.0.0.0"
@@ -59,29 +65,36 @@ func setConfigDefaults(c *kubeproxy.KubeProxyConfiguration) {
 	}
 	c.HealthzBindAddress = defaultBindAddress(c.HealthzBindAddress, healthzHost, healthzPort)
 	c.MetricsBindAddress = defaultBindAddress(c.MetricsBindAddress, metricsHost, metricsPort)
-	if c.IPTables.SyncPeriod.Duration == 0 {
-		c.IPTables.SyncPeriod.Duration = 30 * time.Second
+	ipt := &c.IPTables
+	defaultDuration(&ipt.SyncPeriod, 30*time.Second)
+	defaultDuration(&ipt.MinSyncPeriod, time.Second)
+	ipt.LocalhostNodePorts = cmp.Or(ipt.LocalhostNodePorts, ptr.To(true))
+	ipt.MasqueradeBit = cmp.Or(ipt.MasqueradeBit, ptr.To[int32](14))
+	cc := &c.ClientConnection
+	cc.ContentType = cmp.Or(cc.ContentType, "application/vnd.kubernetes.protobuf")
+	cc.QPS = cmp.Or(cc.QPS, 5)
+	cc.Burst = cmp.Or(cc.Burst, 10)
+	c.OOMScoreAdj = cmp.Or(c.OOMScoreAdj, ptr.To[int32](-999))
+	ct := &c.Conntrack
+	ct.MaxPerCore = cmp.Or(ct.MaxPerCore, ptr.To[int32](32*1024))
+	ct.Min = cmp.Or(ct.Min, ptr.To[int32](128*1024))
+	ct.TCPEstablishedTimeout = cmp.Or(ct.TCPEstablishedTimeout, &metav1.Duration{Duration: 24 * time.Hour})
+	ct.TCPCloseWaitTimeout = cmp.Or(ct.TCPCloseWaitTimeout, &metav1.Duration{Duration: time.Hour})
+	if c.FeatureGates == nil {
+		c.FeatureGates = map[string]bool{}
 	}
-	if c.IPTables.MinSyncPeriod.Duration == 0 {
-		c.IPTables.MinSyncPeriod.Duration = time.Second
-	}
-	if c.IPTables.LocalhostNodePorts == nil {
-		c.IPTables.LocalhostNodePorts = ptr.To(true)
-	}
-	if c.IPTables.MasqueradeBit == nil {
-		c.IPTables.MasqueradeBit = ptr.To[int32](14)
-	}
-	if c.ClientConnection.ContentType == "" {
-		c.ClientConnection.ContentType = "application/vnd.kubernetes.protobuf"
-	}
-	if c.ClientConnection.QPS == 0 {
-		c.ClientConnection.QPS = 5
-	}
-	if c.ClientConnection.Burst == 0 {
-		c.ClientConnection.Burst = 10
-	}
-	if c.Logging.Format == "" {
-		c.Logging.Format = "text"
+	logsapi.SetRecommendedLoggingConfiguration(&c.Logging)
+	// Fields kpipe does not use (other modes', the config file's resync).
+	defaultDuration(&c.IPVS.SyncPeriod, 30*time.Second)
+	defaultDuration(&c.NFTables.SyncPeriod, 30*time.Second)
+	defaultDuration(&c.NFTables.MinSyncPeriod, time.Second)
+	c.NFTables.MasqueradeBit = cmp.Or(c.NFTables.MasqueradeBit, ptr.To[int32](14))
+	defaultDuration(&c.ConfigSyncPeriod, 15*time.Minute)
+}
+
+func defaultDuration(d *metav1.Duration, def time.Duration) {
+	if d.Duration == 0 {
+		d.Duration = def
 	}
 }
 
@@ -111,6 +124,7 @@ func (o *Options) applyConfig(c *kubeproxy.KubeProxyConfiguration, fs *pflag.Fla
 	if c.Mode != "" && c.Mode != "iptables" {
 		return usagef("--config: mode %q is not supported: kpipe implements only the 'iptables' mode", c.Mode)
 	}
+	o.file = c
 	set := func(flag string, apply func()) {
 		if !fs.Changed(flag) {
 			apply()
@@ -130,7 +144,7 @@ func (o *Options) applyConfig(c *kubeproxy.KubeProxyConfiguration, fs *pflag.Fla
 	}
 	set("cluster-cidr", func() { o.ClusterCIDR = c.ClusterCIDR })
 	set("nodeport-addresses", func() { o.NodePortAddresses = c.NodePortAddresses })
-	set("proxy-mode", func() { o.ProxyMode = string(c.Mode) })
+	set("proxy-mode", func() { o.ProxyMode = cmp.Or(string(c.Mode), "iptables") })
 	set("detect-local-mode", func() {
 		o.DetectLocalMode = string(c.DetectLocalMode)
 		if o.DetectLocalMode == "" {
@@ -149,8 +163,11 @@ func (o *Options) applyConfig(c *kubeproxy.KubeProxyConfiguration, fs *pflag.Fla
 	if !fs.Changed("log-format") && !fs.Changed("logging-format") && (c.Logging.Format == "json" || c.Logging.Format == "text") {
 		o.LogFormat = c.Logging.Format
 	}
-	if !fs.Changed("log-level") && !fs.Changed("v") {
-		o.LogLevel = levelOfVerbosity(int(c.Logging.Verbosity))
+	if !fs.Changed("v") {
+		o.Verbosity = int(c.Logging.Verbosity)
+		if !fs.Changed("log-level") {
+			o.LogLevel = levelOfVerbosity(o.Verbosity)
+		}
 	}
 	return nil
 }
@@ -190,28 +207,32 @@ func levelOfVerbosity(v int) string {
 	return "info"
 }
 
-// effectiveConfig is the configuration kpipe runs with, in the v1alpha1 shape.
+// effectiveConfig is the configuration kpipe runs with, in the v1alpha1 shape:
+// the file's (or, without one, kube-proxy's defaults) with what kpipe resolved
+// from it and the flags. The fields kpipe does not use keep the file's values.
 func (o *Options) effectiveConfig() *kubeproxy.KubeProxyConfiguration {
-	c := &kubeproxy.KubeProxyConfiguration{
-		TypeMeta:            metav1.TypeMeta{APIVersion: kubeproxy.SchemeGroupVersion.String(), Kind: "KubeProxyConfiguration"},
-		FeatureGates:        o.FeatureGates,
-		HostnameOverride:    o.HostnameOverride,
-		BindAddress:         o.BindAddress,
-		BindAddressHardFail: o.BindAddressHardFail,
-		HealthzBindAddress:  o.HealthzBindAddress,
-		MetricsBindAddress:  o.MetricsBindAddress,
-		EnableProfiling:     o.EnableDebugHandlers,
-		Mode:                kubeproxy.ProxyMode(o.ProxyMode),
-		DetectLocalMode:     kubeproxy.LocalMode(o.DetectLocalMode),
-		DetectLocal:         kubeproxy.DetectLocalConfiguration{BridgeInterface: o.PodBridgeInterface, InterfaceNamePrefix: o.PodInterfaceprefix},
-		ClusterCIDR:         o.ClusterCIDR,
-		NodePortAddresses:   o.NodePortAddresses,
-		IPTables: kubeproxy.KubeProxyIPTablesConfiguration{
-			MasqueradeBit: ptr.To(int32(o.MasqueradeBit)), MasqueradeAll: o.MasqueradeAll,
-			LocalhostNodePorts: ptr.To(o.LocalhostNodePorts),
-			SyncPeriod:         metav1.Duration{Duration: o.SyncPeriod}, MinSyncPeriod: metav1.Duration{Duration: o.MinSyncPeriod},
-		},
+	c := &kubeproxy.KubeProxyConfiguration{}
+	if o.file != nil {
+		c = o.file.DeepCopy()
 	}
+	setConfigDefaults(c)
+	c.TypeMeta = metav1.TypeMeta{APIVersion: kubeproxy.SchemeGroupVersion.String(), Kind: "KubeProxyConfiguration"}
+	if o.FeatureGates != nil {
+		c.FeatureGates = o.FeatureGates
+	}
+	c.HostnameOverride = o.HostnameOverride
+	c.BindAddress, c.BindAddressHardFail = o.BindAddress, o.BindAddressHardFail
+	c.HealthzBindAddress, c.MetricsBindAddress = o.HealthzBindAddress, o.MetricsBindAddress
+	c.EnableProfiling = o.EnableDebugHandlers
+	c.Mode = kubeproxy.ProxyMode(o.ProxyMode)
+	c.DetectLocalMode = kubeproxy.LocalMode(o.DetectLocalMode)
+	c.DetectLocal.BridgeInterface, c.DetectLocal.InterfaceNamePrefix = o.PodBridgeInterface, o.PodInterfaceprefix
+	c.ClusterCIDR = o.ClusterCIDR
+	c.NodePortAddresses = o.NodePortAddresses
+	ipt := &c.IPTables
+	ipt.MasqueradeBit, ipt.MasqueradeAll = ptr.To(int32(o.MasqueradeBit)), o.MasqueradeAll
+	ipt.LocalhostNodePorts = ptr.To(o.LocalhostNodePorts)
+	ipt.SyncPeriod, ipt.MinSyncPeriod = metav1.Duration{Duration: o.SyncPeriod}, metav1.Duration{Duration: o.MinSyncPeriod}
 	c.Conntrack = kubeproxy.KubeProxyConntrackConfiguration{
 		MaxPerCore: ptr.To(o.Conntrack.MaxPerCore), Min: ptr.To(o.Conntrack.Min),
 		TCPEstablishedTimeout: &metav1.Duration{Duration: o.Conntrack.TCPEstablishedTimeout},
@@ -221,16 +242,10 @@ func (o *Options) effectiveConfig() *kubeproxy.KubeProxyConfiguration {
 		UDPStreamTimeout:      metav1.Duration{Duration: o.Conntrack.UDPStreamTimeout},
 	}
 	c.OOMScoreAdj = ptr.To(o.OOMScoreAdj)
-	c.ClientConnection.Kubeconfig = o.Kubeconfig
-	c.ClientConnection.QPS = o.KubeAPIQPS
-	c.ClientConnection.Burst = int32(o.KubeAPIBurst)
-	c.ClientConnection.ContentType = o.KubeAPIContentType
+	cc := &c.ClientConnection
+	cc.Kubeconfig, cc.QPS, cc.Burst, cc.ContentType = o.Kubeconfig, o.KubeAPIQPS, int32(o.KubeAPIBurst), o.KubeAPIContentType
 	c.Logging.Format = o.LogFormat
-	if o.LogLevel == "debug" {
-		c.Logging.Verbosity = 4
-	} else {
-		c.Logging.Verbosity = 2
-	}
+	c.Logging.Verbosity = logsapi.VerbosityLevel(o.Verbosity)
 	return c
 }
 
@@ -244,4 +259,121 @@ func (o *Options) writeConfig(path string) error {
 		return fmt.Errorf("--write-config-to: %w", err)
 	}
 	return nil
+}
+
+// configz is the effective configuration as kube-proxy's /configz shows its own
+// (see internalConfig).
+func (o *Options) configz() *internalConfig { return toInternal(o.effectiveConfig()) }
+
+// internalConfig has the shape of kube-proxy's internal KubeProxyConfiguration
+// (k8s.io/kubernetes/pkg/proxy/apis/config, v1.34), which kube-proxy registers
+// with component-base's configz: no JSON tags, so the keys of /configz are these
+// Go field names (Logging keeps logsapi's tags), and v1alpha1's fields regrouped
+// (Linux, one SyncPeriod, ClusterCIDR split into DetectLocal.ClusterCIDRs,
+// portRange gone).
+type internalConfig struct {
+	Linux struct {
+		Conntrack     internalConntrack
+		MasqueradeAll bool
+		OOMScoreAdj   *int32
+	}
+	Windows          struct{ RunAsService bool }
+	FeatureGates     map[string]bool
+	ClientConnection componentbaseconfig.ClientConnectionConfiguration
+	Logging          logsapi.LoggingConfiguration
+
+	HostnameOverride            string
+	BindAddress                 string
+	HealthzBindAddress          string
+	MetricsBindAddress          string
+	BindAddressHardFail         bool
+	EnableProfiling             bool
+	ShowHiddenMetricsForVersion string
+
+	Mode     kubeproxy.ProxyMode
+	IPTables struct {
+		MasqueradeBit      *int32
+		LocalhostNodePorts *bool
+	}
+	IPVS struct {
+		Scheduler     string
+		ExcludeCIDRs  []string
+		StrictARP     bool
+		TCPTimeout    metav1.Duration
+		TCPFinTimeout metav1.Duration
+		UDPTimeout    metav1.Duration
+	}
+	Winkernel internalWinkernel
+	NFTables  struct{ MasqueradeBit *int32 }
+
+	DetectLocalMode kubeproxy.LocalMode
+	DetectLocal     struct {
+		BridgeInterface     string
+		ClusterCIDRs        []string
+		InterfaceNamePrefix string
+	}
+	NodePortAddresses []string
+
+	SyncPeriod       metav1.Duration
+	MinSyncPeriod    metav1.Duration
+	ConfigSyncPeriod metav1.Duration
+}
+
+// internalConntrack and internalWinkernel are v1alpha1's types without JSON
+// tags (Go converts between them).
+type internalConntrack struct {
+	MaxPerCore            *int32
+	Min                   *int32
+	TCPEstablishedTimeout *metav1.Duration
+	TCPCloseWaitTimeout   *metav1.Duration
+	TCPBeLiberal          bool
+	UDPTimeout            metav1.Duration
+	UDPStreamTimeout      metav1.Duration
+}
+
+type internalWinkernel struct {
+	NetworkName           string
+	SourceVip             string
+	EnableDSR             bool
+	RootHnsEndpointName   string
+	ForwardHealthCheckVip bool
+}
+
+// toInternal converts a v1alpha1 configuration as kube-proxy's conversion does
+// for the iptables mode (the only one kpipe runs): sync periods and
+// masqueradeAll from the iptables section.
+func toInternal(c *kubeproxy.KubeProxyConfiguration) *internalConfig {
+	out := &internalConfig{
+		FeatureGates:                c.FeatureGates,
+		ClientConnection:            componentbaseconfig.ClientConnectionConfiguration(c.ClientConnection),
+		Logging:                     c.Logging,
+		HostnameOverride:            c.HostnameOverride,
+		BindAddress:                 c.BindAddress,
+		HealthzBindAddress:          c.HealthzBindAddress,
+		MetricsBindAddress:          c.MetricsBindAddress,
+		BindAddressHardFail:         c.BindAddressHardFail,
+		EnableProfiling:             c.EnableProfiling,
+		ShowHiddenMetricsForVersion: c.ShowHiddenMetricsForVersion,
+		Mode:                        c.Mode,
+		Winkernel:                   internalWinkernel(c.Winkernel),
+		DetectLocalMode:             c.DetectLocalMode,
+		NodePortAddresses:           c.NodePortAddresses,
+		SyncPeriod:                  c.IPTables.SyncPeriod,
+		MinSyncPeriod:               c.IPTables.MinSyncPeriod,
+		ConfigSyncPeriod:            c.ConfigSyncPeriod,
+	}
+	out.Linux.Conntrack = internalConntrack(c.Conntrack)
+	out.Linux.MasqueradeAll = c.IPTables.MasqueradeAll
+	out.Linux.OOMScoreAdj = c.OOMScoreAdj
+	out.Windows.RunAsService = c.WindowsRunAsService
+	out.IPTables.MasqueradeBit, out.IPTables.LocalhostNodePorts = c.IPTables.MasqueradeBit, c.IPTables.LocalhostNodePorts
+	v := c.IPVS
+	out.IPVS.Scheduler, out.IPVS.ExcludeCIDRs, out.IPVS.StrictARP = v.Scheduler, v.ExcludeCIDRs, v.StrictARP
+	out.IPVS.TCPTimeout, out.IPVS.TCPFinTimeout, out.IPVS.UDPTimeout = v.TCPTimeout, v.TCPFinTimeout, v.UDPTimeout
+	out.NFTables.MasqueradeBit = c.NFTables.MasqueradeBit
+	out.DetectLocal.BridgeInterface, out.DetectLocal.InterfaceNamePrefix = c.DetectLocal.BridgeInterface, c.DetectLocal.InterfaceNamePrefix
+	if c.ClusterCIDR != "" {
+		out.DetectLocal.ClusterCIDRs = strings.Split(c.ClusterCIDR, ",")
+	}
+	return out
 }

@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"encoding/json"
 	"os"
 	"path/filepath"
 	"reflect"
@@ -12,6 +13,17 @@ import (
 	"github.com/kpipe/kpipe/stages/render"
 )
 
+// kubeadmConfig is the KubeProxyConfiguration kubeadm v1.34 puts in the
+// kube-proxy ConfigMap (config.conf), byte for byte. Made with kubeadm built from
+// k8s.io/kubernetes v1.34.4 (cmd/kubeadm, via the Go module proxy, in a throwaway
+// copy of e2e/controlplane's module):
+//
+//	kubeadm init phase addon kube-proxy --print-manifest --config c.yaml
+//
+// where c.yaml is a v1beta4 ClusterConfiguration with networking.podSubnet
+// 10.244.0.0/16 (kubeadm's clusterCIDR). `kubeadm config print init-defaults
+// --component-configs KubeProxyConfiguration` prints the same document with
+// clusterCIDR "" (no podSubnet).
 const kubeadmConfig = "testdata/kubeadm-kube-proxy.conf"
 
 // resolved runs the command line with a fake proxy and returns the options kpipe
@@ -324,5 +336,81 @@ current-context: x
 	if rc.QPS != 50 || rc.Burst != 100 || rc.ContentType != "application/json" || rc.Host != "https://192.0.2.2:6443" || rc.BearerToken != "t" {
 		t.Errorf("rest config QPS %v burst %d content type %q host %q token %q; want 50, 100, application/json, https://192.0.2.2:6443, t",
 			rc.QPS, rc.Burst, rc.ContentType, rc.Host, rc.BearerToken)
+	}
+}
+
+// toInternal is kube-proxy's v1alpha1 → internal conversion for the iptables
+// mode, and the result has the internal type's JSON shape (Go field names):
+// what kube-proxy's /configz shows.
+func TestToInternalIsKubeProxysConfigzShape(t *testing.T) {
+	c, err := loadConfigFile(writeFile(t, `apiVersion: kubeproxy.config.k8s.io/v1alpha1
+kind: KubeProxyConfiguration
+featureGates: {SomeGate: true}
+clientConnection: {kubeconfig: /kc, acceptContentTypes: a/b, contentType: application/json, qps: 7, burst: 9}
+logging: {format: json, verbosity: 3, flushFrequency: 2s}
+hostnameOverride: node-a
+bindAddress: 10.0.0.1
+healthzBindAddress: 10.0.0.1
+metricsBindAddress: 10.0.0.1:9999
+bindAddressHardFail: true
+enableProfiling: true
+showHiddenMetricsForVersion: "1.33"
+mode: iptables
+iptables: {masqueradeAll: true, masqueradeBit: 13, localhostNodePorts: false, syncPeriod: 11s, minSyncPeriod: 2s}
+ipvs: {syncPeriod: 12s, minSyncPeriod: 3s, scheduler: rr, excludeCIDRs: [10.9.0.0/16], strictARP: true, tcpTimeout: 1s, tcpFinTimeout: 2s, udpTimeout: 3s}
+nftables: {masqueradeAll: false, masqueradeBit: 12, syncPeriod: 13s, minSyncPeriod: 4s}
+conntrack: {maxPerCore: 5, min: 6, tcpEstablishedTimeout: 7s, tcpCloseWaitTimeout: 8s, tcpBeLiberal: true, udpTimeout: 9s, udpStreamTimeout: 10s}
+configSyncPeriod: 14s
+nodePortAddresses: [10.0.0.0/8]
+oomScoreAdj: -5
+clusterCIDR: 10.244.0.0/16,fd00::/48
+detectLocalMode: InterfaceNamePrefix
+detectLocal: {bridgeInterface: br0, interfaceNamePrefix: veth}
+portRange: 30000-30010
+winkernel: {networkName: net1, sourceVip: 1.2.3.4, enableDSR: true, rootHnsEndpointName: r, forwardHealthCheckVip: true}
+windowsRunAsService: true
+`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	got, err := json.Marshal(toInternal(c))
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := `{"Linux":{"Conntrack":{"MaxPerCore":5,"Min":6,"TCPEstablishedTimeout":"7s","TCPCloseWaitTimeout":"8s",
+"TCPBeLiberal":true,"UDPTimeout":"9s","UDPStreamTimeout":"10s"},"MasqueradeAll":true,"OOMScoreAdj":-5},
+"Windows":{"RunAsService":true},"FeatureGates":{"SomeGate":true},
+"ClientConnection":{"Kubeconfig":"/kc","AcceptContentTypes":"a/b","ContentType":"application/json","QPS":7,"Burst":9},
+"Logging":{"format":"json","flushFrequency":"2s","verbosity":3,"options":{"text":{"infoBufferSize":"0"},"json":{"infoBufferSize":"0"}}},
+"HostnameOverride":"node-a","BindAddress":"10.0.0.1","HealthzBindAddress":"10.0.0.1:10256","MetricsBindAddress":"10.0.0.1:9999",
+"BindAddressHardFail":true,"EnableProfiling":true,"ShowHiddenMetricsForVersion":"1.33","Mode":"iptables",
+"IPTables":{"MasqueradeBit":13,"LocalhostNodePorts":false},
+"IPVS":{"Scheduler":"rr","ExcludeCIDRs":["10.9.0.0/16"],"StrictARP":true,"TCPTimeout":"1s","TCPFinTimeout":"2s","UDPTimeout":"3s"},
+"Winkernel":{"NetworkName":"net1","SourceVip":"1.2.3.4","EnableDSR":true,"RootHnsEndpointName":"r","ForwardHealthCheckVip":true},
+"NFTables":{"MasqueradeBit":12},"DetectLocalMode":"InterfaceNamePrefix",
+"DetectLocal":{"BridgeInterface":"br0","ClusterCIDRs":["10.244.0.0/16","fd00::/48"],"InterfaceNamePrefix":"veth"},
+"NodePortAddresses":["10.0.0.0/8"],"SyncPeriod":"11s","MinSyncPeriod":"2s","ConfigSyncPeriod":"14s"}`
+	if string(got) != strings.ReplaceAll(want, "\n", "") {
+		t.Errorf("toInternal as JSON:\n%s\nwant:\n%s", got, strings.ReplaceAll(want, "\n", ""))
+	}
+}
+
+// /configz shows the configuration kpipe runs with: the file's, flags over it,
+// kube-proxy's defaults (other modes' too) where both are silent.
+func TestConfigzIsTheEffectiveConfiguration(t *testing.T) {
+	o, code, stderr := resolved(t, "--config="+kubeadmConfig, "--hostname-override=n1", "--iptables-sync-period=10s", "--v=4")
+	if code != 0 {
+		t.Fatalf("exit %d: %s", code, stderr)
+	}
+	c := o.configz()
+	if c.HostnameOverride != "n1" || c.SyncPeriod.Duration != 10*time.Second || c.Logging.Verbosity != 4 || c.Mode != "iptables" ||
+		c.DetectLocalMode != "ClusterCIDR" || !reflect.DeepEqual(c.DetectLocal.ClusterCIDRs, []string{"10.244.0.0/16"}) {
+		t.Errorf("flags and file: hostname %q syncPeriod %v verbosity %d mode %q detectLocalMode %q clusterCIDRs %v",
+			c.HostnameOverride, c.SyncPeriod, c.Logging.Verbosity, c.Mode, c.DetectLocalMode, c.DetectLocal.ClusterCIDRs)
+	}
+	if c.ConfigSyncPeriod.Duration != 15*time.Minute || *c.NFTables.MasqueradeBit != 14 || *c.Linux.OOMScoreAdj != -999 ||
+		c.FeatureGates == nil || c.Logging.FlushFrequency.Duration.Duration != 5*time.Second {
+		t.Errorf("kube-proxy's defaults: configSyncPeriod %v nftables masqueradeBit %d oomScoreAdj %d featureGates %v flushFrequency %v",
+			c.ConfigSyncPeriod, *c.NFTables.MasqueradeBit, *c.Linux.OOMScoreAdj, c.FeatureGates, c.Logging.FlushFrequency)
 	}
 }

@@ -12,6 +12,7 @@ import (
 
 	"github.com/kpipe/kpipe/bus"
 	nf "github.com/kpipe/kpipe/netfilter"
+	"github.com/kpipe/kpipe/stages/events"
 )
 
 // nodeHost is what node set-up writes to; tests give it a temporary directory.
@@ -61,19 +62,20 @@ func conntrackMax(c ConntrackOptions, cpus int) int {
 // setUpNode does kube-proxy's node set-up: the conntrack sysctls and the
 // process's OOM score. Each write that fails (a read-only /proc/sys in a
 // container, a global sysctl seen from a network namespace) is a warning: the
-// proxy works without them. It returns how many writes failed.
-func setUpNode(o *Options, h nodeHost, log *slog.Logger) (failed int) {
+// proxy works without them. It returns the failed writes, which the events
+// stage records as Warnings once the client exists.
+func setUpNode(o *Options, h nodeHost, log *slog.Logger) (failed []events.SetupFailure) {
 	for _, s := range conntrackSysctls(o.Conntrack, h.cpus()) {
 		if err := h.sysctls.Write(s.name, s.value); err != nil {
 			log.Warn("could not set a conntrack sysctl; going on without it", "sysctl", s.name, "value", s.value, "err", err)
-			failed++
+			failed = append(failed, events.SetupFailure{Step: "SetSysctl/" + s.name, Note: fmt.Sprintf("could not set %s to %s: %v", s.name, s.value, err)})
 			continue
 		}
 		log.Info("set conntrack sysctl", "sysctl", s.name, "value", s.value)
 	}
 	if err := os.WriteFile(h.oomScoreAdjFile, []byte(strconv.Itoa(int(o.OOMScoreAdj))), 0o644); err != nil {
 		log.Warn("could not set the OOM score adjustment; going on without it", "oomScoreAdj", o.OOMScoreAdj, "err", err)
-		failed++
+		failed = append(failed, events.SetupFailure{Step: "SetOOMScoreAdj", Note: fmt.Sprintf("could not set oom_score_adj to %d: %v", o.OOMScoreAdj, err)})
 	}
 	return failed
 }

@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/spf13/pflag"
+	kubeproxy "k8s.io/kube-proxy/config/v1alpha1"
 
 	"github.com/kpipe/kpipe/bus"
 	"github.com/kpipe/kpipe/stages/render"
@@ -49,6 +50,7 @@ type Options struct {
 	Cleanup         bool
 	InitOnly        bool
 	ConfigFile      string
+	file            *kubeproxy.KubeProxyConfiguration // the --config file's, defaulted
 	WriteConfigTo   string
 	Verbosity       int
 	ignoredGiven    []string

@@ -31,7 +31,7 @@ func serve(ctx context.Context, o *Options) error {
 		return cleanup(ctx, log)
 	}
 	// Node set-up comes before realDeps, which reads the conntrack sysctls.
-	setUpNode(o, realNodeHost, log)
+	setupFailures := setUpNode(o, realNodeHost, log)
 	if o.InitOnly {
 		removeNFTablesMode(ctx, log)
 		log.Info("node set up (--init-only); exiting")
@@ -42,10 +42,11 @@ func serve(ctx context.Context, o *Options) error {
 		return err
 	}
 	d.afterSync = removeNFTablesMode
+	d.setupFailures = setupFailures
 	o.logIgnored(log)
 	return runReloading(ctx, o, d, watchConfigFile(ctx, o.ConfigFile, log), func(o *Options, d deps) (deps, error) {
 		log := newLogger(os.Stderr, o.LogFormat, o.LogLevel)
-		setUpNode(o, realNodeHost, log)
+		d.setupFailures = setUpNode(o, realNodeHost, log)
 		return d.reconfigured(o, log)
 	})
 }

@@ -37,8 +37,10 @@ type deps struct {
 	// conntrack opens the conntrack connection; nil: netlink.
 	conntrack func() (conntrack.Clearer, error)
 	host      hostFacts
-	log       *slog.Logger
-	registry  *prometheus.Registry
+	// setupFailures are the node set-up steps that failed (recorded as events).
+	setupFailures []events.SetupFailure
+	log           *slog.Logger
+	registry      *prometheus.Registry
 	// metrics are registered once in registry: every tree reports to them.
 	metrics *metrics.Metrics
 	board   *bus.Board // the stages' reports; nil: a new one
@@ -102,7 +104,7 @@ func buildTree(o *Options, d deps) *supervise.Supervisor {
 	r.coalesce = coalesce.NewStage(coalesce.Params{Config: coalesce.Config{MinSyncPeriod: o.MinSyncPeriod, SyncPeriod: o.SyncPeriod, Burst: 2},
 		In: changes, Replay: replay, Families: coalesceIO, Env: envs.For(bus.Coalesce)}).Run
 	r.events = events.NewStage(events.Params{Broadcaster: d.broadcaster, Recorder: d.recorder, Node: o.HostnameOverride,
-		Families: d.families(), Board: board, Env: envs.For(events.Name)}).Run
+		SetupFailures: d.setupFailures, Families: d.families(), Board: board, Env: envs.For(events.Name)}).Run
 	r.canary = canary.NewStage(canary.Params{Interval: o.CanaryInterval, Resync: resync, Tools: d.canaries, Env: envs.For(bus.Canary)}).Run
 
 	var root *supervise.Supervisor
@@ -112,7 +114,7 @@ func buildTree(o *Options, d deps) *supervise.Supervisor {
 	}
 	r.health = health.New(health.Params{Config: health.Config{
 		HealthzAddr: o.HealthzBindAddress, MetricsAddr: o.MetricsBindAddress, BindHardFail: o.BindAddressHardFail, EnableDebug: o.EnableDebugHandlers,
-		SyncPeriod: o.SyncPeriod, NodeName: o.HostnameOverride, Families: d.families(), Configz: o, SideStages: r.sideStages(),
+		SyncPeriod: o.SyncPeriod, NodeName: o.HostnameOverride, Families: d.families(), Configz: o.configz(), SideStages: r.sideStages(),
 	}, Board: board, Gatherer: d.registry, Checks: checks, Stages: stagesHandler, Env: envs.For(bus.Health)}).Run
 
 	onRestart := func(stage string, err error) {

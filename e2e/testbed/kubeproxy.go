@@ -59,17 +59,26 @@ func (tb *Testbed) KubeProxyArgs(mode string) []string {
 // Start starts kube-proxy and waits until it has synced its rules once (see
 // WaitSyncedAfter).
 func (kp *KubeProxy) Start() error {
+	started := time.Now()
+	if err := kp.StartWith(kp.tb.KubeProxyArgs(kp.Mode)...); err != nil {
+		return err
+	}
+	return kp.WaitSyncedAfter(started, 60*time.Second)
+}
+
+// StartWith starts kube-proxy in the node namespace with only args, and does
+// not wait: its ports are wherever args put them.
+func (kp *KubeProxy) StartWith(args ...string) error {
 	if kp.proc != nil && !kp.proc.Exited() {
 		return errors.New("kube-proxy is already running")
 	}
-	started := time.Now()
-	argv := append([]string{"ip", "netns", "exec", kp.tb.NodeNS, kp.Bin}, kp.tb.KubeProxyArgs(kp.Mode)...)
+	argv := append([]string{"ip", "netns", "exec", kp.tb.NodeNS, kp.Bin}, args...)
 	p, err := startProcess("kube-proxy", kp.LogPath, nil, argv...)
 	if err != nil {
 		return err
 	}
 	kp.proc = p
-	return kp.WaitSyncedAfter(started, 60*time.Second)
+	return nil
 }
 
 // Stop sends SIGTERM and waits for kube-proxy to exit (SIGKILL after 15 s).

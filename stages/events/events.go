@@ -1,7 +1,8 @@
 // Package events is the events stage: it records kube-proxy's events on this
 // node's Node (events.k8s.io/v1, in namespace "default", reported by "kube-proxy"
 // so dashboards and `kubectl events` filters made for kube-proxy match): a Normal
-// "Starting" event when the process starts, and a Warning when a family's rules
+// "Starting" event when the process starts, a Warning for each node set-up step
+// that failed before the client existed, and a Warning when a family's rules
 // keep failing to sync.
 package events
 
@@ -33,8 +34,10 @@ const (
 	ReasonSyncFailed = "SyncProxyRulesFailed"
 	ActionSync       = "SyncProxyRules"
 	// ReasonSetupFailed: a node set-up step failed (see RecordSetupFailure).
+	// kube-proxy's one set-up Warning is "readOnlySysFS" (it cannot size the
+	// conntrack table); it exits on other sysctl failures and only logs a failed
+	// OOM score, where kpipe goes on and warns.
 	ReasonSetupFailed = "NodeSetupFailed"
-	ActionSetup       = "SetUpNode"
 	// ReasonReloadFailed: the config file changed into one kpipe rejects; it keeps
 	// running on the previous configuration (kube-proxy would exit instead).
 	ReasonReloadFailed = "ConfigReloadFailed"
@@ -62,9 +65,19 @@ func NodeRef(node string) *corev1.ObjectReference {
 	return &corev1.ObjectReference{Kind: "Node", Name: node, UID: types.UID(node)}
 }
 
+// SetupFailure is a node set-up step that failed.
+type SetupFailure struct {
+	// Step names the step, machine-readable ("SetSysctl/net/netfilter/nf_conntrack_max"):
+	// the event's action. One per step, as the recorder merges events that differ
+	// only in their note into one event's series.
+	Step string
+	// Note says what was tried and why it failed.
+	Note string
+}
+
 // RecordSetupFailure records a Warning that the node set-up step failed.
-func RecordSetupFailure(rec events.EventRecorder, node string, step string, err error) {
-	rec.Eventf(NodeRef(node), nil, corev1.EventTypeWarning, ReasonSetupFailed, ActionSetup, "%s: %v", step, err)
+func RecordSetupFailure(rec events.EventRecorder, node string, f SetupFailure) {
+	rec.Eventf(NodeRef(node), nil, corev1.EventTypeWarning, ReasonSetupFailed, f.Step, "%s", f.Note)
 }
 
 // RecordReloadFailure records a Warning that the config file at path was
@@ -79,6 +92,9 @@ type Params struct {
 	Broadcaster events.EventBroadcaster
 	Recorder    events.EventRecorder
 	Node        string
+	// SetupFailures are the node set-up steps that failed before the client
+	// existed: the first Run records a Warning for each.
+	SetupFailures []SetupFailure
 	// Families are the families whose commit stages are watched on Board.
 	Families []bus.Family
 	Board    *bus.Board
@@ -119,7 +135,7 @@ func NewStage(p Params) *Stage {
 }
 
 // Run sends the recorded events to the apiserver until ctx ends, records Starting
-// (first Run), and warns of families whose commits keep failing.
+// and the set-up failures (first Run), and warns of families whose commits keep failing.
 func (s *Stage) Run(ctx context.Context) error {
 	if err := s.p.Broadcaster.StartRecordingToSinkWithContext(ctx); err != nil {
 		return fmt.Errorf("start recording events: %w", err)
@@ -127,6 +143,9 @@ func (s *Stage) Run(ctx context.Context) error {
 	if !s.started {
 		s.started = true
 		s.p.Recorder.Eventf(NodeRef(s.p.Node), nil, corev1.EventTypeNormal, ReasonStarting, ActionStart, "")
+		for _, f := range s.p.SetupFailures {
+			RecordSetupFailure(s.p.Recorder, s.p.Node, f)
+		}
 	}
 	t := time.NewTicker(s.poll)
 	defer t.Stop()

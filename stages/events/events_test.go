@@ -18,6 +18,11 @@ import (
 // startingEvents lists the Starting events about Node node in "default", where
 // kube-proxy's events about its (cluster-scoped) Node go.
 func startingEvents(t *testing.T, client *fake.Clientset, node string) []eventsv1.Event {
+	return nodeEvents(t, client, node, ReasonStarting)
+}
+
+// nodeEvents lists the events with reason about Node node in "default".
+func nodeEvents(t *testing.T, client *fake.Clientset, node, reason string) []eventsv1.Event {
 	t.Helper()
 	list, err := client.EventsV1().Events("default").List(context.Background(), metav1.ListOptions{})
 	if err != nil {
@@ -25,7 +30,7 @@ func startingEvents(t *testing.T, client *fake.Clientset, node string) []eventsv
 	}
 	var out []eventsv1.Event
 	for _, e := range list.Items {
-		if e.Reason == ReasonStarting && e.Regarding.Kind == "Node" && e.Regarding.Name == node {
+		if e.Reason == reason && e.Regarding.Kind == "Node" && e.Regarding.Name == node {
 			out = append(out, e)
 		}
 	}
@@ -147,5 +152,51 @@ func TestCheckSyncsWarnsAfterFailuresInARow(t *testing.T) {
 	s.checkSyncs()
 	if w := warnings(); len(w) != 1 {
 		t.Fatalf("a new streak of 3: %q, want one Warning", w)
+	}
+}
+
+// TestRunRecordsSetupFailures: each node set-up step that failed before the
+// client existed is one Warning on the Node, recorded by the first Run only.
+func TestRunRecordsSetupFailures(t *testing.T) {
+	client := fake.NewClientset()
+	b, rec := NewRecorder(client)
+	defer b.Shutdown()
+	failures := []SetupFailure{
+		{Step: "SetSysctl/net/netfilter/nf_conntrack_max", Note: "could not set net/netfilter/nf_conntrack_max to 131072: permission denied"},
+		{Step: "SetSysctl/net/netfilter/nf_conntrack_tcp_timeout_established", Note: "could not set it: read-only file system"},
+		{Step: "SetOOMScoreAdj", Note: "could not set oom_score_adj to -999: permission denied"},
+	}
+	s := NewStage(Params{Broadcaster: b, Recorder: rec, Node: "node-a", SetupFailures: failures})
+	for run := range 2 { // the second Run is a supervisor restart
+		ctx, cancel := context.WithCancel(context.Background())
+		done := make(chan error, 1)
+		go func() { done <- s.Run(ctx) }()
+		for deadline := time.Now().Add(10 * time.Second); len(nodeEvents(t, client, "node-a", ReasonSetupFailed)) < len(failures); time.Sleep(20 * time.Millisecond) {
+			if time.Now().After(deadline) {
+				t.Fatalf("run %d: %d %s events, want %d", run, len(nodeEvents(t, client, "node-a", ReasonSetupFailed)), ReasonSetupFailed, len(failures))
+			}
+		}
+		time.Sleep(200 * time.Millisecond) // time for a duplicate to arrive
+		cancel()
+		if err := <-done; err != nil {
+			t.Fatalf("Run %d = %v", run, err)
+		}
+	}
+	got := nodeEvents(t, client, "node-a", ReasonSetupFailed)
+	if len(got) != len(failures) {
+		t.Fatalf("%d %s events after 2 Runs, want %d: %v", len(got), ReasonSetupFailed, len(failures), got)
+	}
+	notes := map[string]string{}
+	for _, e := range got {
+		if e.Type != "Warning" || e.ReportingController != "kube-proxy" || e.Series != nil {
+			t.Errorf("event %q: type %q controller %q series %v, want a Warning from kube-proxy, no series",
+				e.Note, e.Type, e.ReportingController, e.Series)
+		}
+		notes[e.Action] = e.Note
+	}
+	for _, f := range failures {
+		if notes[f.Step] != f.Note {
+			t.Errorf("event with action %q: note %q, want %q", f.Step, notes[f.Step], f.Note)
+		}
 	}
 }

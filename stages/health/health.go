@@ -36,7 +36,8 @@ type Config struct {
 	// while their last error is younger than the health timeout.
 	SideStages []bus.StageName
 	// Configz is served as JSON at /configz, under kube-proxy's configz key
-	// ("kubeproxy.config.k8s.io"), as kube-proxy serves its configuration.
+	// ("kubeproxy.config.k8s.io"), as kube-proxy serves its configuration: kpipe
+	// gives it in the shape of kube-proxy's internal configuration.
 	Configz any
 	// BindHardFail (kube-proxy's bindAddressHardFail) makes a healthz or metrics
 	// port that cannot be bound fail Run; without it the stage retries binding in
