@@ -57,7 +57,23 @@ type healthWatch struct {
 	stop, done chan struct{}
 	mu         sync.Mutex
 	polls      int
-	bad        []string
+	bad        []badHealth
+}
+
+// badHealth is a /healthz answer that was not 200.
+type badHealth struct {
+	at   time.Time
+	what string
+}
+
+func (b badHealth) String() string { return b.at.Format("15:04:05.000") + ": " + b.what }
+
+func joinBad(bad []badHealth) string {
+	s := make([]string, len(bad))
+	for i, b := range bad {
+		s[i] = b.String()
+	}
+	return strings.Join(s, "\n")
 }
 
 func watchHealth(interval time.Duration) *healthWatch {
@@ -69,7 +85,7 @@ func watchHealth(interval time.Duration) *healthWatch {
 			h.mu.Lock()
 			h.polls++
 			if err != nil || code != 200 {
-				h.bad = append(h.bad, fmt.Sprintf("%s: HTTP %d %v %s", time.Now().Format("15:04:05.000"), code, err, strings.TrimSpace(string(body))))
+				h.bad = append(h.bad, badHealth{time.Now(), fmt.Sprintf("HTTP %d %v %s", code, err, strings.TrimSpace(string(body)))})
 			}
 			h.mu.Unlock()
 			select {
@@ -83,7 +99,7 @@ func watchHealth(interval time.Duration) *healthWatch {
 }
 
 // finish stops the polls and returns how many there were and the bad ones.
-func (h *healthWatch) finish() (int, []string) {
+func (h *healthWatch) finish() (int, []badHealth) {
 	close(h.stop)
 	<-h.done
 	return h.polls, h.bad
@@ -205,7 +221,7 @@ func TestAPIServerOutage(t *testing.T) {
 	polls, bad := health.finish()
 	t.Logf("/healthz during the %v outage: %d polls, %d not 200", outage, polls, len(bad))
 	if len(bad) > 0 {
-		t.Errorf("/healthz not 200 while the apiserver was down and nothing was pending:\n%s", strings.Join(bad, "\n"))
+		t.Errorf("/healthz not 200 while the apiserver was down and nothing was pending:\n%s", joinBad(bad))
 	}
 
 	// Back, and a change made at once.
@@ -245,7 +261,7 @@ func TestAPIServerOutage(t *testing.T) {
 	polls, bad = health.finish()
 	t.Logf("/healthz after the return: %d polls, %d not 200", polls, len(bad))
 	if len(bad) > 0 {
-		t.Errorf("/healthz not 200 after the return:\n%s", strings.Join(bad, "\n"))
+		t.Errorf("/healthz not 200 after the return:\n%s", joinBad(bad))
 	}
 	for i, l := range loops {
 		ok, failures, seen := l.finish()

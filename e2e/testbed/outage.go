@@ -242,3 +242,39 @@ func (m *RulesetMonitor) Reset() {
 
 // Stop ends the monitor.
 func (m *RulesetMonitor) Stop() { _ = m.proc.Stop(5 * time.Second) }
+
+// xtablesLock is the lock iptables-legacy takes (and iptables-nft does not);
+// `ip netns exec` shares /run, so the node's iptables sees the host's file.
+const xtablesLock = "/run/xtables.lock"
+
+// HoldXtablesLock has another process take the xtables lock, as another
+// iptables writer would, for d at most; release ends it sooner. It returns once
+// the lock is held.
+func (tb *Testbed) HoldXtablesLock(d time.Duration) (release func(), err error) {
+	p, err := startProcess("flock", tb.path("flock.log"), nil,
+		"flock", "--exclusive", "--no-fork", xtablesLock, "sleep", fmt.Sprintf("%.3f", d.Seconds()))
+	if err != nil {
+		return nil, err
+	}
+	tb.track(p)
+	release = func() { _ = p.Stop(time.Second) }
+	if err := Poll(5*time.Second, 20*time.Millisecond, func() error {
+		if p.Exited() {
+			return fmt.Errorf("flock exited: %v: %s", p.ExitErr(), p.Tail(5))
+		}
+		if !XtablesLockHeld() {
+			return errors.New("the xtables lock is not held yet")
+		}
+		return nil
+	}); err != nil {
+		release()
+		return nil, err
+	}
+	return release, nil
+}
+
+// XtablesLockHeld says whether some process holds the xtables lock now.
+func XtablesLockHeld() bool {
+	_, err := run("flock", "--nonblock", "--shared", xtablesLock, "true")
+	return err != nil
+}
