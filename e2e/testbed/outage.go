@@ -13,12 +13,22 @@ import (
 )
 
 // stopGrace is how long a stopped control-plane process gets to exit after
-// SIGTERM before it is killed.
-const stopGrace = 15 * time.Second
+// SIGTERM before it is killed (kube-apiserver's graceful shutdown can take
+// longer: a kill is an outage too).
+const stopGrace = 5 * time.Second
 
-// StopAPIServer stops the kube-apiserver (SIGTERM): every client's watch is
-// closed and every request refused until StartAPIServer.
-func (tb *Testbed) StopAPIServer() error { return tb.apiserver.Stop(stopGrace) }
+// stop ends p: SIGTERM, SIGKILL after stopGrace. Either way it is gone.
+func stop(p *Process) error {
+	_ = p.Stop(stopGrace)
+	if !p.Exited() {
+		return fmt.Errorf("%s still running after SIGKILL", p.Name)
+	}
+	return nil
+}
+
+// StopAPIServer stops the kube-apiserver: every client's watch is closed and
+// every request refused until StartAPIServer.
+func (tb *Testbed) StopAPIServer() error { return stop(tb.apiserver) }
 
 // StartAPIServer starts the kube-apiserver again, with the flags it first ran
 // with, and waits until it is ready (etcd must be running).
@@ -51,7 +61,7 @@ func (tb *Testbed) APIServerRunning() bool { return !tb.apiserver.Exited() }
 func (tb *Testbed) EtcdRunning() bool { return !tb.etcd.Exited() }
 
 // StopEtcd stops etcd (SIGTERM). Stop the apiserver first.
-func (tb *Testbed) StopEtcd() error { return tb.etcd.Stop(stopGrace) }
+func (tb *Testbed) StopEtcd() error { return stop(tb.etcd) }
 
 // StartEtcd starts etcd again on its data dir, with the flags it first ran with.
 // The apiserver's StartAPIServer waits for both to serve.
