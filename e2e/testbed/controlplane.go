@@ -32,18 +32,18 @@ func (tb *Testbed) startControlPlane(ctx context.Context, bins ControlPlaneBinar
 	// etcd
 	etcdClient := fmt.Sprintf("http://127.0.0.1:%d", etcdClientPort)
 	etcdPeer := fmt.Sprintf("http://127.0.0.1:%d", etcdPeerPort)
-	etcd, err := startProcess("etcd", tb.path("etcd.log"), nil,
-		"ip", "netns", "exec", tb.NodeNS, bins.Etcd,
+	tb.etcdArgv = []string{"ip", "netns", "exec", tb.NodeNS, bins.Etcd,
 		"--name", "kpe2e",
 		"--data-dir", tb.path("etcd-data"),
 		"--listen-client-urls", etcdClient,
 		"--advertise-client-urls", etcdClient,
 		"--listen-peer-urls", etcdPeer,
 		"--initial-advertise-peer-urls", etcdPeer,
-		"--initial-cluster", "kpe2e="+etcdPeer,
+		"--initial-cluster", "kpe2e=" + etcdPeer,
 		"--unsafe-no-fsync",
 		"--log-level", "warn",
-	)
+	}
+	etcd, err := startProcess("etcd", tb.path("etcd.log"), nil, tb.etcdArgv...)
 	if err != nil {
 		return err
 	}
@@ -84,6 +84,7 @@ func (tb *Testbed) startControlPlane(ctx context.Context, bins ControlPlaneBinar
 		"--profiling=false",
 		"--v", "1",
 	}
+	tb.apiserverArgv = args
 	apiserver, err := startProcess("kube-apiserver", tb.path("kube-apiserver.log"), nil, args...)
 	if err != nil {
 		return err

@@ -80,6 +80,8 @@ type Testbed struct {
 	etcd       *Process
 	apiserver  *Process
 	kpipe      *Kpipe
+	// etcdArgv and apiserverArgv start them again (StartEtcd, StartAPIServer).
+	etcdArgv, apiserverArgv []string
 
 	mu         sync.Mutex
 	namespaces []string

@@ -19,6 +19,9 @@ type Ledger struct {
 	synced bool
 	chains map[chainKey]known
 	unsure map[chainKey]bool // a write to these began and was not confirmed
+	// tried holds, for filter chains in doubt, the rules of the writes that
+	// began and were not confirmed: the kernel may hold them (see oldRules).
+	tried map[chainKey]string
 	// udp is the UDP front-end map of the last successful commit (haveUDP), for
 	// the conntrack stage.
 	udp     map[netip.AddrPort][]netip.AddrPort
@@ -39,7 +42,7 @@ type known struct {
 
 // NewLedger makes an empty ledger: the first plan is written as a full sync.
 func NewLedger() *Ledger {
-	return &Ledger{chains: map[chainKey]known{}, unsure: map[chainKey]bool{}}
+	return &Ledger{chains: map[chainKey]known{}, unsure: map[chainKey]bool{}, tried: map[chainKey]string{}}
 }
 
 // chainKey names a chain of a table.
@@ -52,6 +55,7 @@ func (l *Ledger) reset() {
 	l.synced = false
 	l.chains = map[chainKey]known{}
 	l.unsure = map[chainKey]bool{}
+	l.tried = map[chainKey]string{}
 }
 
 // differs says whether c must be written: kpipe never wrote it, wrote other
@@ -82,12 +86,19 @@ func (l *Ledger) unwanted(table string, wanted map[string]bool) []string {
 }
 
 // doubt marks an operation's chain as possibly half-written.
-func (l *Ledger) doubt(o op) { l.unsure[key(o.table, o.chain)] = true }
+func (l *Ledger) doubt(o op) {
+	k := key(o.table, o.chain)
+	l.unsure[k] = true
+	if o.table == nf.TableFilter && !o.deleted {
+		l.tried[k] += o.rules
+	}
+}
 
 // confirm records an operation the kernel has taken.
 func (l *Ledger) confirm(o op) {
 	k := key(o.table, o.chain)
 	delete(l.unsure, k)
+	delete(l.tried, k)
 	if o.deleted {
 		delete(l.chains, k)
 		return
@@ -99,14 +110,19 @@ func (l *Ledger) confirm(o op) {
 	l.chains[k] = kn
 }
 
-// oldRules are the rules kpipe last wrote to a chain, if it keeps them.
+// oldRules are the rules a filter chain may hold now, if kpipe knows them:
+// what it last wrote there and, while a later write is in doubt, that write's
+// rules too (the kernel took it or not). The first pass of a write keeps them
+// all as guards: a write rejected or cut short must not leave the next one
+// without the REJECT and DROP rules the nat table may still rely on.
 func (l *Ledger) oldRules(table, chain string) (string, bool) {
 	k := key(table, chain)
 	old, ok := l.chains[k]
-	if !ok || l.unsure[k] {
+	tried, doubted := l.tried[k]
+	if !ok && !doubted {
 		return "", false
 	}
-	return old.rules, true
+	return old.rules + tried, true
 }
 
 // sawKernel records the kernel's digest of a chain kpipe just wrote.

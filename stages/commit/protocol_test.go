@@ -298,8 +298,43 @@ func TestBatchedSyncNeverLeavesAGap(t *testing.T) {
 	k := fakekernel.New()
 	s := testStage(k)
 	before := largeState(maxChainsPerRestore/2 + 200)
+	after, gaps := gapScenario(before)
+	if err := s.apply(context.Background(), planOf(before, 1, true)); err != nil {
+		t.Fatal(err)
+	}
+	state := map[string]map[string][]string{}
+	k.Observe = func(table string, chains map[string][]string) {
+		state[table] = chains
+		if state[nf.TableNAT] == nil || state[nf.TableFilter] == nil {
+			return
+		}
+		for _, g := range gaps(state[nf.TableNAT], state[nf.TableFilter]) {
+			t.Errorf("after transaction %d (%s): %s", k.Blocks, table, g)
+		}
+	}
+	state[nf.TableNAT], _ = k.Save(context.Background(), nf.TableNAT)
+	state[nf.TableFilter], _ = k.Save(context.Background(), nf.TableFilter)
+	if err := s.apply(context.Background(), planOf(after, 2, true)); err != nil {
+		t.Fatal(err)
+	}
+	if k.Restores < 3 {
+		t.Fatalf("the full sync took %d restores; the test needs a batched one", k.Restores)
+	}
+	requireFresh(t, k, after, "after the batched full sync")
+}
+
+// gapScenario changes before (a largeState) so that one service loses its
+// endpoints, one gets a load balancer with source ranges and one loses its
+// source ranges. gaps says what in a state of the kernel's nat and filter
+// tables would let a packet through that neither before nor after lets
+// through: the service without both its DNAT and its REJECT, a KUBE-FW- chain
+// reachable without the KUBE-PROXY-FIREWALL DROP it relies on.
+func gapScenario(before bus.State) (after bus.State, gaps func(nat, filter map[string][]string) []string) {
 	var losing, newLB, oldLB *bus.Service
-	for _, svc := range before.Services {
+	for _, key := range slices.SortedFunc(maps.Keys(before.Services), func(a, b bus.ServiceKey) int {
+		return strings.Compare(a.Namespace+"/"+a.Name, b.Namespace+"/"+b.Name)
+	}) {
+		svc := before.Services[key]
 		switch {
 		case losing == nil && len(svc.LoadBalancerIPs) == 0:
 			losing = svc
@@ -309,10 +344,7 @@ func TestBatchedSyncNeverLeavesAGap(t *testing.T) {
 			newLB = svc
 		}
 	}
-	if err := s.apply(context.Background(), planOf(before, 1, true)); err != nil {
-		t.Fatal(err)
-	}
-	after := before
+	after = before
 	after.Services, after.Slices = maps.Clone(before.Services), maps.Clone(before.Slices)
 	delete(after.Slices, losing.ServiceKey)
 	lb := *newLB
@@ -326,21 +358,14 @@ func TestBatchedSyncNeverLeavesAGap(t *testing.T) {
 	losingIP := losing.ClusterIPs[0].String() + "/32"
 	newFW := nf.ServiceChain(nf.PrefixFirewall, lb.PortName(lb.Ports[0]))
 	oldFW := nf.ServiceChain(nf.PrefixFirewall, oldLB.PortName(oldLB.Ports[0]))
-	state := map[string]map[string][]string{}
-	gaps := 0
-	k.Observe = func(table string, chains map[string][]string) {
-		state[table] = chains
-		nat, filter := state[nf.TableNAT], state[nf.TableFilter]
-		if nat == nil || filter == nil {
-			return
-		}
+	return after, func(nat, filter map[string][]string) []string {
+		var out []string
 		dnat := anyRule(nat, func(r string) bool {
 			return strings.Contains(r, "-d "+losingIP) && strings.Contains(r, "-j "+nf.PrefixService)
 		})
-		reject := anyRule(filter, func(r string) bool { return strings.Contains(r, "-d "+losingIP) && strings.HasSuffix(r, "-j REJECT") })
+		reject := anyRule(filter, func(r string) bool { return strings.Contains(r, "-d "+losingIP) && strings.Contains(r, "-j REJECT") })
 		if !dnat && !reject {
-			gaps++
-			t.Errorf("after transaction %d (%s): %s has neither its DNAT nor its REJECT", k.Blocks, table, losingIP)
+			out = append(out, fmt.Sprintf("%s has neither its DNAT nor its REJECT", losingIP))
 		}
 		for _, fw := range []struct {
 			chain string
@@ -351,20 +376,11 @@ func TestBatchedSyncNeverLeavesAGap(t *testing.T) {
 				return strings.Contains(r, "-d "+fw.ip.String()+"/32") && strings.HasSuffix(r, "-j DROP")
 			})
 			if reached && !drop {
-				gaps++
-				t.Errorf("after transaction %d (%s): %s is reachable but KUBE-PROXY-FIREWALL has no DROP for %s", k.Blocks, table, fw.chain, fw.ip)
+				out = append(out, fmt.Sprintf("%s is reachable but KUBE-PROXY-FIREWALL has no DROP for %s", fw.chain, fw.ip))
 			}
 		}
+		return out
 	}
-	state[nf.TableNAT], _ = k.Save(context.Background(), nf.TableNAT)
-	state[nf.TableFilter], _ = k.Save(context.Background(), nf.TableFilter)
-	if err := s.apply(context.Background(), planOf(after, 2, true)); err != nil {
-		t.Fatal(err)
-	}
-	if k.Restores < 3 {
-		t.Fatalf("the full sync took %d restores; the test needs a batched one", k.Restores)
-	}
-	requireFresh(t, k, after, "after the batched full sync")
 }
 
 func anyRule(chains map[string][]string, f func(string) bool) bool {

@@ -153,6 +153,7 @@ func guardChains(l *Ledger, chains []bus.Chain) (first, last []bus.Chain) {
 		b.WriteString(c.Rules)
 		for _, line := range strings.SplitAfter(old, "\n") {
 			if line != "" && !have[line] {
+				have[line] = true
 				b.WriteString(line)
 			}
 		}

@@ -4,24 +4,29 @@ package watch
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"log/slog"
 	"runtime/debug"
 	"slices"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/vishvananda/netlink"
 	corev1 "k8s.io/api/core/v1"
 	discoveryv1 "k8s.io/api/discovery/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
-	"k8s.io/client-go/informers"
+	"k8s.io/apimachinery/pkg/runtime"
+	k8swatch "k8s.io/apimachinery/pkg/watch"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/tools/cache"
 
 	"github.com/kpipe/kpipe/bus"
 	"github.com/kpipe/kpipe/metrics"
 	nf "github.com/kpipe/kpipe/netfilter"
+	"github.com/kpipe/kpipe/supervise"
 )
 
 // selector is kube-proxy's: services handled by another proxy, and headless
@@ -42,6 +47,10 @@ type Stage struct {
 
 	// subscribe starts the netlink address watch; tests replace it.
 	subscribe func(done <-chan struct{}) (<-chan netlink.AddrUpdate, error)
+	// probe asks the apiserver whether it answers, probeBackoff spaces the
+	// probes while it does not (see watchOnce); tests replace them.
+	probe        func(context.Context) error
+	probeBackoff supervise.Backoff
 	// beforeSend, when set, sees every change just before it is sent; tests use it
 	// to fail inside a handler or a replay.
 	beforeSend func(bus.Change)
@@ -68,7 +77,14 @@ type Params struct {
 // NewStage makes the watch stage.
 func NewStage(p Params) *Stage {
 	return &Stage{client: p.Client, conv: Converter{NodeName: p.NodeName}, out: p.Out, replay: p.Replay, status: p.Env.Status,
-		metrics: p.Env.Metrics, log: p.Env.Log, watchAddrs: p.WatchAddrs, subscribe: nf.SubscribeAddrs}
+		metrics: p.Env.Metrics, log: p.Env.Log, watchAddrs: p.WatchAddrs, subscribe: nf.SubscribeAddrs,
+		probe: func(context.Context) error {
+			_, err := p.Client.Discovery().ServerVersion()
+			return err
+		},
+		// From 1 s to 5 s: soon after the apiserver is back, without thousands of
+		// nodes hammering it while it is away.
+		probeBackoff: supervise.Backoff{Initial: time.Second, Max: 5 * time.Second}}
 }
 
 type informerSet struct {
@@ -77,10 +93,11 @@ type informerSet struct {
 
 // Run watches until ctx ends (then it returns nil) or something fails: the address
 // watch closes, or a handler or a replay panics. Then it returns the error, so the
-// supervisor restarts it, and the restart replays.
+// supervisor restarts it, and the restart replays. When the apiserver was lost
+// and answers again, Run lists everything anew and replays it itself.
 func (s *Stage) Run(ctx context.Context) error {
 	// run ends the informers, and any send their handlers block in, whenever Run
-	// returns: Shutdown waits for them, and ctx may still be live.
+	// returns; ctx may still be live.
 	run, stop := context.WithCancel(ctx)
 	defer stop()
 	failed := make(chan error, 1)
@@ -100,16 +117,33 @@ func (s *Stage) Run(ctx context.Context) error {
 			return nil
 		}
 	}
-
-	factory := informers.NewSharedInformerFactoryWithOptions(s.client, 0,
-		informers.WithTweakListOptions(func(o *metav1.ListOptions) { o.LabelSelector = selector }))
-	nodeFactory := informers.NewSharedInformerFactoryWithOptions(s.client, 0,
-		informers.WithTweakListOptions(func(o *metav1.ListOptions) { o.FieldSelector = "metadata.name=" + s.conv.NodeName }))
-	inf := informerSet{
-		services: factory.Core().V1().Services().Informer(),
-		slices:   factory.Discovery().V1().EndpointSlices().Informer(),
-		nodes:    nodeFactory.Core().V1().Nodes().Informer(),
+	addrs, err := s.subscribeAddrs(run)
+	if err != nil {
+		return err
 	}
+	for {
+		again, err := s.watchOnce(run, addrs, fail)
+		if err != nil {
+			return err
+		}
+		if !again {
+			return ended()
+		}
+		s.log.Info("apiserver answers again; listing everything anew")
+	}
+}
+
+// watchOnce runs one set of informers: it waits for their caches, replays, and
+// sends their events until run ends (false) or the apiserver, lost by the
+// informers, answers again (true): client-go's reflectors retry a lost
+// apiserver with a backoff that reaches 30 s (a minute with jitter), so a
+// change made just after an outage would wait that long; new informers list at
+// once. A relist writes nothing to the kernel that is already there.
+func (s *Stage) watchOnce(run context.Context, addrs <-chan struct{}, fail func(error)) (again bool, err error) {
+	gen, cancel := context.WithCancel(run)
+	back := make(chan struct{}, 1)
+	lost := &lostServer{probe: s.probe, backoff: s.probeBackoff, back: back}
+	inf := s.informers(lost.observe(gen))
 	synced := false // guarded by sendMu: events before the first replay are redundant
 	handler := func(toChange func(obj any, deleted bool) (bus.Change, bool)) cache.ResourceEventHandlerFuncs {
 		send := func(obj any, deleted bool) {
@@ -120,7 +154,7 @@ func (s *Stage) Run(ctx context.Context) error {
 					return
 				}
 				if c, ok := toChange(obj, deleted); ok {
-					s.send(run, c)
+					s.send(gen, c)
 				}
 			})
 			if err != nil {
@@ -138,53 +172,166 @@ func (s *Stage) Run(ctx context.Context) error {
 			},
 		}
 	}
+	var running sync.WaitGroup
+	// Runs last: the informers (and any send their handlers block in) end with gen.
+	defer running.Wait()
+	defer cancel()
 	for _, reg := range []struct {
 		inf cache.SharedIndexInformer
 		fn  func(obj any, deleted bool) (bus.Change, bool)
 	}{{inf.services, s.serviceChange}, {inf.slices, s.sliceChange}, {inf.nodes, s.nodeChange}} {
 		if _, err := reg.inf.AddEventHandler(handler(reg.fn)); err != nil {
-			return fmt.Errorf("watch: add event handler: %w", err)
+			return false, fmt.Errorf("watch: add event handler: %w", err)
 		}
+		running.Add(1)
+		go func() {
+			defer running.Done()
+			reg.inf.RunWithContext(gen)
+		}()
 	}
-	factory.Start(run.Done())
-	nodeFactory.Start(run.Done())
-	// Deferred after stop, so they run after it: Shutdown returns once run is done.
-	defer factory.Shutdown()
-	defer nodeFactory.Shutdown()
-	defer stop()
 
-	addrs, err := s.subscribeAddrs(run)
-	if err != nil {
-		return err
-	}
-	if !cache.WaitForCacheSync(run.Done(), inf.services.HasSynced, inf.slices.HasSynced, inf.nodes.HasSynced) {
-		return ended()
+	if !s.waitForCaches(gen, back, inf) {
+		return gen.Err() == nil, nil // back: the apiserver answers again
 	}
 	s.log.Info("informer caches synced")
 	s.sendMu.Lock()
 	synced = true
 	s.sendMu.Unlock()
-	if err := s.catch("replay", func() { s.sendReplay(run, inf) }); err != nil {
-		return err
+	if err := s.catch("replay", func() { s.sendReplay(gen, inf) }); err != nil {
+		return false, err
 	}
 	s.replay.Lower() // the replay just sent answers any request made before it
 	for {
 		select {
-		case <-run.Done():
-			return ended()
+		case <-gen.Done():
+			return false, nil
+		case <-back:
+			return true, nil
 		case <-s.replay.C():
-			if err := s.catch("replay", func() { s.sendReplay(run, inf) }); err != nil {
-				return err
+			if err := s.catch("replay", func() { s.sendReplay(gen, inf) }); err != nil {
+				return false, err
 			}
 		case _, ok := <-addrs:
 			if !ok {
-				return fmt.Errorf("watch: netlink address subscription closed")
+				return false, fmt.Errorf("watch: netlink address subscription closed")
 			}
-			if err := s.catch("address update", func() { s.sendAddrs(run) }); err != nil {
-				return err
+			if err := s.catch("address update", func() { s.sendAddrs(gen) }); err != nil {
+				return false, err
 			}
 		}
 	}
+}
+
+// waitForCaches waits until the informers' caches synced (true), ctx ends or
+// the apiserver answers again after it was lost (false).
+func (s *Stage) waitForCaches(ctx context.Context, back <-chan struct{}, inf informerSet) bool {
+	tick := time.NewTicker(100 * time.Millisecond)
+	defer tick.Stop()
+	for {
+		if inf.services.HasSynced() && inf.slices.HasSynced() && inf.nodes.HasSynced() {
+			return true
+		}
+		select {
+		case <-ctx.Done():
+			return false
+		case <-back:
+			return false
+		case <-tick.C:
+		}
+	}
+}
+
+// informers makes the Service, EndpointSlice and Node informers (kube-proxy's
+// selectors), each list and watch reported to observe.
+func (s *Stage) informers(observe func(error)) informerSet {
+	core, discovery := s.client.CoreV1(), s.client.DiscoveryV1()
+	proxied := func(o *metav1.ListOptions) { o.LabelSelector = selector }
+	thisNode := func(o *metav1.ListOptions) { o.FieldSelector = "metadata.name=" + s.conv.NodeName }
+	return informerSet{
+		services: informer(&corev1.Service{}, proxied, observe,
+			func(ctx context.Context, o metav1.ListOptions) (runtime.Object, error) {
+				return core.Services("").List(ctx, o)
+			},
+			func(ctx context.Context, o metav1.ListOptions) (k8swatch.Interface, error) {
+				return core.Services("").Watch(ctx, o)
+			}),
+		slices: informer(&discoveryv1.EndpointSlice{}, proxied, observe,
+			func(ctx context.Context, o metav1.ListOptions) (runtime.Object, error) {
+				return discovery.EndpointSlices("").List(ctx, o)
+			},
+			func(ctx context.Context, o metav1.ListOptions) (k8swatch.Interface, error) {
+				return discovery.EndpointSlices("").Watch(ctx, o)
+			}),
+		nodes: informer(&corev1.Node{}, thisNode, observe,
+			func(ctx context.Context, o metav1.ListOptions) (runtime.Object, error) {
+				return core.Nodes().List(ctx, o)
+			},
+			func(ctx context.Context, o metav1.ListOptions) (k8swatch.Interface, error) {
+				return core.Nodes().Watch(ctx, o)
+			}),
+	}
+}
+
+// informer makes an informer over list and watch (with tweak applied to their
+// options) that reports the outcome of each call to observe.
+func informer(obj runtime.Object, tweak func(*metav1.ListOptions), observe func(error),
+	list func(context.Context, metav1.ListOptions) (runtime.Object, error),
+	watch func(context.Context, metav1.ListOptions) (k8swatch.Interface, error)) cache.SharedIndexInformer {
+	lw := &cache.ListWatch{
+		ListWithContextFunc: func(ctx context.Context, o metav1.ListOptions) (runtime.Object, error) {
+			tweak(&o)
+			out, err := list(ctx, o)
+			observe(err)
+			return out, err
+		},
+		WatchFuncWithContext: func(ctx context.Context, o metav1.ListOptions) (k8swatch.Interface, error) {
+			tweak(&o)
+			w, err := watch(ctx, o)
+			observe(err)
+			return w, err
+		},
+	}
+	return cache.NewSharedIndexInformer(lw, obj, 0, cache.Indexers{})
+}
+
+// lostServer notices when the informers cannot reach the apiserver and then
+// probes it, with a backoff, until it answers; then it signals back (once).
+type lostServer struct {
+	probe   func(context.Context) error
+	backoff supervise.Backoff
+	back    chan<- struct{}
+	probing atomic.Bool
+}
+
+// observe returns what the informers report each list and watch call to: an
+// error that is not the apiserver's answer (refused, reset, timed out) means
+// it is lost, and starts the probes (ending with ctx).
+func (l *lostServer) observe(ctx context.Context) func(error) {
+	return func(err error) {
+		if err == nil || ctx.Err() != nil || !unreachable(err) || !l.probing.CompareAndSwap(false, true) {
+			return
+		}
+		go func() {
+			for n := 1; ; n++ {
+				select {
+				case <-ctx.Done():
+					return
+				case <-time.After(l.backoff.Delay(n, nil)):
+				}
+				if l.probe(ctx) == nil {
+					l.back <- struct{}{} // buffered: the only send
+					return
+				}
+			}
+		}()
+	}
+}
+
+// unreachable says whether a list or watch failed without an answer from the
+// apiserver (an answer, such as 429 or 410, is the reflector's to handle).
+func unreachable(err error) bool {
+	var status apierrors.APIStatus
+	return !errors.As(err, &status) && !errors.Is(err, context.Canceled)
 }
 
 // catch runs f and turns a panic in it into an error, logged with its stack: on

@@ -36,7 +36,8 @@ type stageHarness struct {
 	watches chan string // resource names whose watch has started
 
 	mu        sync.Mutex
-	selectors map[string][]string // list selectors by resource: "labels|fields"
+	selectors map[string][]string  // list selectors by resource: "labels|fields"
+	active    []k8swatch.Interface // the watches handed out
 
 	// The current Run: its cancel, and where its result arrives.
 	cancel context.CancelFunc
@@ -69,6 +70,9 @@ func startStageWith(t *testing.T, setup func(*Stage), objects ...runtime.Object)
 		if err != nil {
 			return false, nil, err
 		}
+		h.mu.Lock()
+		h.active = append(h.active, w)
+		h.mu.Unlock()
 		h.watches <- a.GetResource().Resource
 		return true, w, nil
 	})
@@ -113,6 +117,16 @@ func (h *stageHarness) exit() error {
 		h.t.Fatal("Run did not return with its context live: hung?")
 		return nil
 	}
+}
+
+// stopWatches ends every watch handed out so far, as an apiserver going away does.
+func (h *stageHarness) stopWatches() {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	for _, w := range h.active {
+		w.Stop()
+	}
+	h.active = nil
 }
 
 // waitWatches waits until the three watches (services, endpointslices, nodes) run.

@@ -29,6 +29,11 @@ type Kernel struct {
 	// BeforeRestore, if set, runs before a payload is applied; an error fails
 	// that Restore with nothing applied.
 	BeforeRestore func(n int, payload string) error
+	// BeforeCommit, if set, runs at each "COMMIT" before the transaction is
+	// taken; an error rejects it, as the kernel rejects a payload, and ends the
+	// run there: the transactions before it in the payload stay committed, the
+	// ones after it are not tried (iptables-restore stops at the first failure).
+	BeforeCommit func(table string) error
 	// StallAfter, if set and true for a call, makes Restore wait for its context
 	// to end after the payload was applied: a commit killed after the kernel took
 	// the write but before it heard so.
@@ -105,6 +110,11 @@ func (k *Kernel) apply(payload string) error {
 			}
 			delete(work, name)
 		case line == "COMMIT":
+			if k.BeforeCommit != nil {
+				if err := k.BeforeCommit(table); err != nil {
+					return err
+				}
+			}
 			// The kernel refuses to delete a chain that a rule still jumps to.
 			for c, rules := range work {
 				for _, r := range rules {
