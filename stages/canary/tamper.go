@@ -1,0 +1,101 @@
+package canary
+
+import (
+	"context"
+	"time"
+
+	"github.com/kpipe/kpipe/bus"
+	nf "github.com/kpipe/kpipe/netfilter"
+)
+
+// Changes are another writer's changes to one family's tables, as they happen
+// (nf.Subscription).
+type Changes interface {
+	// Next waits for changes; nf.ErrLost says some were lost.
+	Next(ctx context.Context) ([]nf.Change, error)
+	Close() error
+}
+
+// Subscribe starts receiving a family's changes; nf.ErrNotNFTables (the legacy
+// backend) or any other error: the family is polled instead.
+type Subscribe func(ctx context.Context) (Changes, error)
+
+// subscribeTool subscribes with the real nf_tables notifications.
+func subscribeTool(t nf.Tool) Subscribe {
+	return func(ctx context.Context) (Changes, error) {
+		sub, err := t.Subscribe(ctx)
+		if err != nil {
+			return nil, err
+		}
+		return sub, nil
+	}
+}
+
+// Debouncing: a repair waits until no change came for quiet (one tamper is often
+// several iptables runs: -F, then -X), but never longer than patience after the
+// first change.
+const (
+	quiet    = 5 * time.Millisecond
+	patience = 50 * time.Millisecond
+)
+
+// tamper collects one family's changes until they are handed to commit.
+type tamper struct {
+	changes []nf.Change
+	lost    bool
+	since   time.Time
+}
+
+// jumpChains are the built-in chains kpipe puts jumps in, by table.
+var jumpChains = func() map[string]map[string]bool {
+	out := map[string]map[string]bool{}
+	for _, j := range nf.Jumps(true) {
+		if out[j.Table] == nil {
+			out[j.Table] = map[string]bool{}
+		}
+		out[j.Table][j.From] = true
+	}
+	return out
+}()
+
+// ruleTables are the tables holding kpipe's chains (mangle holds only a canary).
+var ruleTables = map[string]bool{nf.TableNAT: true, nf.TableFilter: true}
+
+// repairFor says what of kpipe's another writer changed: the chains to rewrite,
+// the tables whose built-in chains need kpipe's jumps back in front, whether
+// everything must be rewritten (a table deleted, changes lost), and whether a
+// canary was touched (canaries). Changes to anything else (other agents' chains,
+// other tables) ask for nothing.
+func repairFor(t tamper) (rep bus.Repair, canaries bool) {
+	rep = bus.Repair{Chains: map[string]map[string]bool{}, Jumps: map[string]bool{}, Lost: t.lost, Since: t.since}
+	if t.lost {
+		for table := range ruleTables {
+			rep.Jumps[table] = true
+		}
+		canaries = true
+	}
+	for _, c := range t.changes {
+		if c.Table != nf.TableMangle && !ruleTables[c.Table] {
+			continue
+		}
+		switch {
+		case c.Kind == nf.TableDeleted:
+			canaries = true
+			if ruleTables[c.Table] {
+				rep.Lost, rep.Jumps[c.Table] = true, true
+			}
+		case c.Kind == nf.TableAdded:
+		case c.Chain == nf.ChainCanary:
+			canaries = canaries || c.Kind == nf.RuleDeleted || c.Kind == nf.ChainDeleted
+		case !ruleTables[c.Table]:
+		case nf.KindOf(c.Chain) != nf.KindOther:
+			if rep.Chains[c.Table] == nil {
+				rep.Chains[c.Table] = map[string]bool{}
+			}
+			rep.Chains[c.Table][c.Chain] = true
+		case jumpChains[c.Table][c.Chain] && c.Kind != nf.ChainAdded:
+			rep.Jumps[c.Table] = true
+		}
+	}
+	return rep, canaries
+}
