@@ -31,12 +31,13 @@ func subscribeTool(t nf.Tool) Subscribe {
 	}
 }
 
-// Debouncing: a repair waits until no change came for quiet (one tamper is often
-// several iptables runs: -F, then -X), but never longer than patience after the
-// first change.
+// Debouncing: a repair waits until no change came for quiet, but never longer
+// than patience after the first change. One tamper is often several iptables
+// runs (-F, then -X): a repair between them would make the -X fail (the chain is
+// in use again). Both stay well inside the 1 s a repair may take.
 const (
-	quiet    = 5 * time.Millisecond
-	patience = 50 * time.Millisecond
+	quiet    = 50 * time.Millisecond
+	patience = 250 * time.Millisecond
 )
 
 // tamper collects one family's changes until they are handed to commit.

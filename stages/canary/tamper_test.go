@@ -141,7 +141,7 @@ func TestChangesBecomeOneRepair(t *testing.T) {
 	sub.c <- []nf.Change{{Kind: nf.RuleDeleted, Table: "nat", Chain: "PREROUTING"}, {Kind: nf.RuleDeleted, Table: "nat", Chain: nf.ChainCanary}}
 	sub.c <- []nf.Change{{Kind: nf.ChainDeleted, Table: "nat", Chain: svc}}
 	r := takeRepair(t, repairs)
-	if took := time.Since(start); took > patience+100*time.Millisecond {
+	if took := time.Since(start); took > patience+200*time.Millisecond {
 		t.Errorf("the repair was asked for %v after the change", took)
 	}
 	if !r.Chains["nat"][svc] || !r.Jumps["nat"] || r.Lost || r.Since.Before(start) {
