@@ -64,8 +64,8 @@ var ruleTables = map[string]bool{nf.TableNAT: true, nf.TableFilter: true}
 
 // repairFor says what of kpipe's another writer changed: the chains to rewrite,
 // the tables whose built-in chains need kpipe's jumps back in front, whether
-// everything must be rewritten (a table deleted, changes lost), and whether a
-// canary was touched (canaries). Changes to anything else (other agents' chains,
+// everything must be rewritten (a table deleted or flushed, as a canary gone
+// tells; changes lost), and whether a canary must be put back (canaries). Changes to anything else (other agents' chains,
 // other tables) ask for nothing.
 func repairFor(t tamper) (rep bus.Repair, canaries bool) {
 	rep = bus.Repair{Chains: map[string]map[string]bool{}, Jumps: map[string]bool{}, Lost: t.lost, Since: t.since}
@@ -87,7 +87,11 @@ func repairFor(t tamper) (rep bus.Repair, canaries bool) {
 			}
 		case c.Kind == nf.TableAdded:
 		case c.Chain == nf.ChainCanary:
-			canaries = canaries || c.Kind == nf.RuleDeleted || c.Kind == nf.ChainDeleted
+			// A canary gone means what it means to kube-proxy (and to the
+			// legacy poll): the table was flushed; rewrite everything.
+			if c.Kind == nf.RuleDeleted || c.Kind == nf.ChainDeleted {
+				canaries, rep.Lost = true, true
+			}
 		case !ruleTables[c.Table]:
 		case nf.KindOf(c.Chain) != nf.KindOther:
 			if rep.Chains[c.Table] == nil {

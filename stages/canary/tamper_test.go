@@ -32,7 +32,7 @@ func TestRepairFor(t *testing.T) {
 		{name: "nat flushed", in: tamper{changes: []nf.Change{
 			ch(nf.RuleDeleted, "nat", "PREROUTING"), ch(nf.RuleDeleted, "nat", "OUTPUT"), ch(nf.RuleDeleted, "nat", nf.ChainServices),
 			ch(nf.RuleDeleted, "nat", svc), ch(nf.RuleDeleted, "nat", nf.ChainCanary), ch(nf.RuleDeleted, "nat", "AGENT")}},
-			chains: map[string][]string{"nat": {nf.ChainServices, svc}}, jumps: []string{"nat"}, canaries: true},
+			chains: map[string][]string{"nat": {nf.ChainServices, svc}}, jumps: []string{"nat"}, lost: true, canaries: true},
 		{name: "a kpipe chain deleted", in: tamper{changes: []nf.Change{ch(nf.ChainDeleted, "nat", svc)}},
 			chains: map[string][]string{"nat": {svc}}},
 		{name: "nat table deleted", in: tamper{changes: []nf.Change{ch(nf.RuleDeleted, "nat", svc), ch(nf.ChainDeleted, "nat", svc),
@@ -42,7 +42,8 @@ func TestRepairFor(t *testing.T) {
 			jumps: []string{"nat"}},
 		{name: "filter and mangle flushed", in: tamper{changes: []nf.Change{ch(nf.RuleDeleted, "filter", "INPUT"),
 			ch(nf.RuleDeleted, "filter", nf.ChainForward), ch(nf.RuleDeleted, "filter", nf.ChainCanary), ch(nf.RuleDeleted, "mangle", "PREROUTING")}},
-			chains: map[string][]string{"filter": {nf.ChainForward}}, jumps: []string{"filter"}, canaries: true},
+			chains: map[string][]string{"filter": {nf.ChainForward}}, jumps: []string{"filter"}, lost: true, canaries: true},
+		{name: "the mangle canary deleted", in: tamper{changes: []nf.Change{ch(nf.ChainDeleted, "mangle", nf.ChainCanary)}}, lost: true, canaries: true},
 		{name: "changes lost", in: tamper{lost: true}, jumps: []string{"filter", "nat"}, lost: true, canaries: true},
 		{name: "other agents and tables", in: tamper{changes: []nf.Change{ch(nf.RuleAdded, "nat", "AGENT"), ch(nf.ChainDeleted, "filter", "AGENT"),
 			ch(nf.RuleDeleted, "raw", "PREROUTING"), ch(nf.RuleDeleted, "security", svc), ch(nf.TableDeleted, "raw", ""),
@@ -131,8 +132,8 @@ func takeRepair(t *testing.T, repairs *bus.Mailbox[bus.Repair]) bus.Repair {
 }
 
 // Changes that come close together make one repair request, sent within the
-// debounce; a canary touched is put back without a full resync; lost changes ask
-// for everything; a subscription that fails fails the stage (to be restarted).
+// debounce; a canary flushed is put back and commit rewrites everything (no
+// resync through coalesce); lost changes ask for everything too; a subscription that fails fails the stage (to be restarted).
 func TestChangesBecomeOneRepair(t *testing.T) {
 	sub := newFakeChanges()
 	fake, repairs, resync, done := tamperStage(t, sub, time.Hour)
@@ -144,8 +145,8 @@ func TestChangesBecomeOneRepair(t *testing.T) {
 	if took := time.Since(start); took > patience+200*time.Millisecond {
 		t.Errorf("the repair was asked for %v after the change", took)
 	}
-	if !r.Chains["nat"][svc] || !r.Jumps["nat"] || r.Lost || r.Since.Before(start) {
-		t.Errorf("repair %+v; want %s and the nat jumps", r, svc)
+	if !r.Chains["nat"][svc] || !r.Jumps["nat"] || !r.Lost || r.Since.Before(start) {
+		t.Errorf("repair %+v; want %s, the nat jumps and (the canary flushed) everything", r, svc)
 	}
 	time.Sleep(2 * patience)
 	if _, again := repairs.TryTake(); again {

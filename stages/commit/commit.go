@@ -115,8 +115,8 @@ func (s *Stage) Run(ctx context.Context) error {
 			s.p.Results.Put(bus.Result{Family: s.family, Generation: plan.Generation, Err: err, Full: full, At: time.Now()})
 			continue
 		}
-		last := *plan // applied again, it is neither a full nor a periodic sync
-		last.Full, last.Refresh = false, false
+		last := *plan // applied again, it is neither a full nor a periodic sync, nor timed from render
+		last.Full, last.Refresh, last.Started = false, false, time.Time{}
 		s.last = &last
 		now := time.Now()
 		s.repaired(ctx)
@@ -185,12 +185,17 @@ func (s *Stage) takeRepair(r bus.Repair) {
 // chains stay in doubt and the next plan (at the latest the periodic sync)
 // rewrites them.
 func (s *Stage) applyAgain(ctx context.Context, plan *bus.Plan) {
+	start := time.Now()
+	full := s.writtenFull(plan)
 	if err := s.apply(ctx, plan); err != nil {
 		if ctx.Err() == nil {
 			s.log.Warn("repairing rules another writer changed", "family", s.family, "err", err)
 			s.p.Env.Status.Failed(err, time.Now())
 		}
 		return
+	}
+	if full { // a full sync like any other, for the metrics and /sync
+		s.record(plan, full, start, time.Now())
 	}
 	s.repaired(ctx)
 }

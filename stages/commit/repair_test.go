@@ -109,11 +109,13 @@ func TestRepairRewritesOnlyTheChangedChains(t *testing.T) {
 	}
 }
 
-// A lost table (or lost notifications) rewrites everything as a full sync.
+// A lost table (or lost notifications) rewrites everything as a full sync, counted
+// as one.
 func TestRepairOfALostTableIsAFullSync(t *testing.T) {
 	k := fakekernel.New()
 	st := render.SyntheticState(20, 2)
-	_, repairs := runWithRepairs(t, k, st)
+	s, repairs := runWithRepairs(t, k, st)
+	fullBefore := observations(t, s.metrics.SyncFullDuration, "IPv4")
 	k.Mu.Lock()
 	k.Tables[nf.TableNAT] = map[string][]string{}
 	k.Payloads, k.Events = nil, nil
@@ -123,6 +125,9 @@ func TestRepairOfALostTableIsAFullSync(t *testing.T) {
 	requireFresh(t, k, st, "after the repair of a deleted nat table")
 	if !slices.Contains(k.Events, "jumps") {
 		t.Errorf("the repair of a lost table was not a full sync (events %q)", k.Events)
+	}
+	if n := observations(t, s.metrics.SyncFullDuration, "IPv4"); n != fullBefore+1 {
+		t.Errorf("full syncs counted: %v, want %v: a full repair is a full sync for the metrics", n, fullBefore+1)
 	}
 }
 
