@@ -181,14 +181,16 @@ func (s *Stage) takeRepair(r bus.Repair) {
 	s.repair = &r
 }
 
-// applyAgain applies the last plan again, for a repair. A failure is logged: the
-// chains stay in doubt and the next plan (at the latest the periodic sync)
+// applyAgain applies the last plan again, for a repair. A failure is logged and
+// the repair dropped (no retry in a loop): its chains stay in doubt (a lost table:
+// the ledger unsynced), so the next plan, at the latest the periodic sync's,
 // rewrites them.
 func (s *Stage) applyAgain(ctx context.Context, plan *bus.Plan) {
 	start := time.Now()
 	full := s.writtenFull(plan)
 	if err := s.apply(ctx, plan); err != nil {
 		if ctx.Err() == nil {
+			s.repair = nil
 			s.log.Warn("repairing rules another writer changed", "family", s.family, "err", err)
 			s.p.Env.Status.Failed(err, time.Now())
 		}

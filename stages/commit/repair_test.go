@@ -2,6 +2,7 @@ package commit
 
 import (
 	"context"
+	"errors"
 	"slices"
 	"strings"
 	"testing"
@@ -150,4 +151,37 @@ func TestRepairBeforeTheFirstPlan(t *testing.T) {
 	}
 	waitFor(t, k, "the jumps", func() bool { return slices.Contains(k.Events, "jumps first filter") })
 	requireFresh(t, k, st, "after the first plan")
+}
+
+// A repair that fails is not retried in a loop: the chains stay in doubt, and the
+// next plan rewrites them.
+func TestFailedRepairWaitsForTheNextPlan(t *testing.T) {
+	k := fakekernel.New()
+	st := render.SyntheticState(5, 1)
+	s, repairs := runWithRepairs(t, k, st)
+	svc := ""
+	k.Mu.Lock()
+	for c := range k.Tables[nf.TableNAT] {
+		if nf.KindOf(c) == nf.KindService {
+			svc = c
+		}
+	}
+	k.Tables[nf.TableNAT][svc] = nil
+	k.BeforeRestore = func(int, string) error { return errors.New("injected: iptables-restore failed") }
+	before := k.Restores
+	k.Mu.Unlock()
+	repairs.Put(bus.Repair{Chains: map[string]map[string]bool{nf.TableNAT: {svc: true}}, Since: time.Now()})
+	time.Sleep(100 * time.Millisecond)
+	k.Mu.Lock()
+	tries := k.Restores - before
+	k.BeforeRestore = nil
+	k.Mu.Unlock()
+	if tries != 1 {
+		t.Errorf("a failing repair ran iptables-restore %d times in 100 ms; want once", tries)
+	}
+	s.p.In.Put(planOf(st, 2, false))
+	if r := takeResult(t, s); !r.OK {
+		t.Fatal(r.Err)
+	}
+	requireFresh(t, k, st, "after the next plan")
 }
