@@ -180,15 +180,17 @@ func (s *Subscription) decode(m syscall.NetlinkMessage) (Change, bool) {
 // toolPids remembers the processes kpipe started (its iptables tools): the
 // notifications of their writes carry their netlink port id, which the kernel
 // gives a process's first netlink socket from its process id (as the process's
-// own pid namespace numbers it, which is kpipe's).
+// own pid namespace numbers it, which is kpipe's). A pid counts while its tool
+// runs and for toolGrace after it exited (its notifications may be read later),
+// and no longer: pids are reused (pid_max is often 32768), and a foreign write
+// taken for kpipe's own would go unrepaired.
 type toolPids struct {
 	mu   sync.Mutex
-	pids map[uint32]time.Time // pid → when it started
+	pids map[uint32]time.Time // pid → when it exited (zero: running)
 }
 
-// toolPidsKept is how long a tool's pid is remembered: past its last write, and
-// short of the pid being given to another process.
-const toolPidsKept = time.Minute
+// toolGrace is how long after a tool exited its notifications are still its own.
+const toolGrace = 5 * time.Second
 
 var ownTools = toolPids{pids: map[uint32]time.Time{}}
 
@@ -196,17 +198,23 @@ func (p *toolPids) started(pid int) {
 	now := time.Now()
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	for old, at := range p.pids {
-		if now.Sub(at) > toolPidsKept {
+	for old, exited := range p.pids {
+		if !exited.IsZero() && now.Sub(exited) > toolGrace {
 			delete(p.pids, old)
 		}
 	}
-	p.pids[uint32(pid)] = now
+	p.pids[uint32(pid)] = time.Time{}
+}
+
+func (p *toolPids) exited(pid int) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.pids[uint32(pid)] = time.Now()
 }
 
 func (p *toolPids) ran(portID uint32) bool {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	_, ok := p.pids[portID]
-	return ok
+	exited, ok := p.pids[portID]
+	return ok && (exited.IsZero() || time.Since(exited) <= toolGrace)
 }

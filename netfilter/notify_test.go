@@ -98,3 +98,21 @@ func TestSubscriptionReportsOnlyOthersChanges(t *testing.T) {
 		})
 	}
 }
+
+// A tool's pid is kpipe's while it runs and for a grace period after; then a
+// process given the same pid is someone else.
+func TestToolPidsExpire(t *testing.T) {
+	p := toolPids{pids: map[uint32]time.Time{}}
+	p.started(4242)
+	if !p.ran(4242) || p.ran(4243) {
+		t.Fatal("a running tool's pid is not kpipe's")
+	}
+	p.exited(4242)
+	if !p.ran(4242) {
+		t.Error("a tool's pid is not kpipe's right after it exited")
+	}
+	p.pids[4242] = time.Now().Add(-toolGrace - time.Second)
+	if p.ran(4242) {
+		t.Errorf("a pid is kpipe's %v after its tool exited: a reused pid would hide another writer's change", toolGrace+time.Second)
+	}
+}

@@ -68,6 +68,7 @@ func (t Tool) runTool(ctx context.Context, binary string, stdin []byte, args ...
 	if err == nil {
 		ownTools.started(cmd.Process.Pid) // before it can write: its changes are kpipe's
 		err = cmd.Wait()
+		ownTools.exited(cmd.Process.Pid)
 	}
 	out := stdout.Bytes()
 	if err == nil {
