@@ -190,7 +190,7 @@ type toolPids struct {
 }
 
 // toolGrace is how long after a tool exited its notifications are still its own.
-const toolGrace = 5 * time.Second
+const toolGrace = 30 * time.Second
 
 var ownTools = toolPids{pids: map[uint32]time.Time{}}
 

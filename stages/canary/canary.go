@@ -154,7 +154,7 @@ func (s *Stage) Run(ctx context.Context) error {
 				pending[c.family] = t
 			}
 			t.changes = append(t.changes, c.changes...)
-			t.lost = t.lost || c.err != nil
+			t.overflowed = t.overflowed || c.err != nil
 			debounce.Reset(min(quiet, first.Add(patience).Sub(now)))
 		case <-debounce.C:
 			for f, t := range pending {
@@ -214,7 +214,25 @@ func receive(ctx context.Context, f bus.Family, sub Changes, out chan<- familyCh
 
 // repair hands what another writer changed of kpipe's to commit, and puts the
 // canaries back when they were touched (no resync: commit repairs the rest).
+//
+// When notifications were lost it cannot know what changed: rewriting everything
+// would be wrong (kpipe's own large writes overflow the socket, and a full sync
+// would overflow it again), so it looks at the canaries, as the legacy poll
+// does: one gone means a flush, and everything is rewritten.
 func (s *Stage) repair(ctx context.Context, f bus.Family, t tamper) error {
+	if t.overflowed {
+		for _, table := range tables {
+			alive, err := s.tools[f].CanaryAlive(ctx, table)
+			if err != nil {
+				s.log.Warn("nf_tables changes lost, and cannot check the canary", "family", f, "table", table, "err", err)
+				break
+			}
+			if !alive {
+				t.lost = true
+				break
+			}
+		}
+	}
 	rep, canaries := repairFor(t)
 	if !rep.Empty() {
 		s.log.Info("another writer changed kpipe's rules; repairing", "family", f, "changes", len(t.changes), "lost", rep.Lost)

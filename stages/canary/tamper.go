@@ -43,8 +43,11 @@ const (
 // tamper collects one family's changes until they are handed to commit.
 type tamper struct {
 	changes []nf.Change
-	lost    bool
-	since   time.Time
+	// overflowed: notifications were lost (kpipe's own full syncs can send more
+	// than the socket holds); lost: a canary is gone as well, so everything is
+	// rewritten.
+	overflowed, lost bool
+	since            time.Time
 }
 
 // jumpChains are the built-in chains kpipe puts jumps in, by table.
@@ -65,15 +68,18 @@ var ruleTables = map[string]bool{nf.TableNAT: true, nf.TableFilter: true}
 // repairFor says what of kpipe's another writer changed: the chains to rewrite,
 // the tables whose built-in chains need kpipe's jumps back in front, whether
 // everything must be rewritten (a table deleted or flushed, as a canary gone
-// tells; changes lost), and whether a canary must be put back (canaries). Changes to anything else (other agents' chains,
-// other tables) ask for nothing.
+// tells), and whether a canary must be put back (canaries). Lost notifications
+// only have the jumps checked: a flush among them shows as a canary gone (see
+// Stage.repair), rules changed in place are left to the periodic and hourly
+// syncs. Changes to anything else (other agents' chains, other tables) ask for
+// nothing.
 func repairFor(t tamper) (rep bus.Repair, canaries bool) {
 	rep = bus.Repair{Chains: map[string]map[string]bool{}, Jumps: map[string]bool{}, Lost: t.lost, Since: t.since}
-	if t.lost {
+	if t.overflowed || t.lost {
 		for table := range ruleTables {
 			rep.Jumps[table] = true
 		}
-		canaries = true
+		canaries = t.lost
 	}
 	for _, c := range t.changes {
 		if c.Table != nf.TableMangle && !ruleTables[c.Table] {

@@ -44,7 +44,8 @@ func TestRepairFor(t *testing.T) {
 			ch(nf.RuleDeleted, "filter", nf.ChainForward), ch(nf.RuleDeleted, "filter", nf.ChainCanary), ch(nf.RuleDeleted, "mangle", "PREROUTING")}},
 			chains: map[string][]string{"filter": {nf.ChainForward}}, jumps: []string{"filter"}, lost: true, canaries: true},
 		{name: "the mangle canary deleted", in: tamper{changes: []nf.Change{ch(nf.ChainDeleted, "mangle", nf.ChainCanary)}}, lost: true, canaries: true},
-		{name: "changes lost", in: tamper{lost: true}, jumps: []string{"filter", "nat"}, lost: true, canaries: true},
+		{name: "changes lost", in: tamper{overflowed: true}, jumps: []string{"filter", "nat"}},
+		{name: "changes lost, a canary gone", in: tamper{overflowed: true, lost: true}, jumps: []string{"filter", "nat"}, lost: true, canaries: true},
 		{name: "other agents and tables", in: tamper{changes: []nf.Change{ch(nf.RuleAdded, "nat", "AGENT"), ch(nf.ChainDeleted, "filter", "AGENT"),
 			ch(nf.RuleDeleted, "raw", "PREROUTING"), ch(nf.RuleDeleted, "security", svc), ch(nf.TableDeleted, "raw", ""),
 			ch(nf.RuleDeleted, "mangle", svc), ch(nf.RuleAdded, "mangle", "PREROUTING")}}},
@@ -133,7 +134,8 @@ func takeRepair(t *testing.T, repairs *bus.Mailbox[bus.Repair]) bus.Repair {
 
 // Changes that come close together make one repair request, sent within the
 // debounce; a canary flushed is put back and commit rewrites everything (no
-// resync through coalesce); lost changes ask for everything too; a subscription that fails fails the stage (to be restarted).
+// resync through coalesce); lost changes ask for the jumps to be checked, and for
+// everything when a canary is gone; a subscription that fails fails the stage (to be restarted).
 func TestChangesBecomeOneRepair(t *testing.T) {
 	sub := newFakeChanges()
 	fake, repairs, resync, done := tamperStage(t, sub, time.Hour)
@@ -160,8 +162,13 @@ func TestChangesBecomeOneRepair(t *testing.T) {
 	}
 
 	sub.errs <- nf.ErrLost
+	if r := takeRepair(t, repairs); r.Lost || !r.Jumps["nat"] || !r.Jumps["filter"] {
+		t.Errorf("lost changes with the canaries in place asked for %+v; want the jumps checked, not everything", r)
+	}
+	fake.set(false, nil)
+	sub.errs <- nf.ErrLost
 	if r := takeRepair(t, repairs); !r.Lost {
-		t.Errorf("lost changes asked for %+v; want everything", r)
+		t.Errorf("lost changes with a canary gone asked for %+v; want everything", r)
 	}
 	broken := errors.New("netlink: broken")
 	sub.errs <- broken
