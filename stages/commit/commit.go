@@ -143,6 +143,11 @@ func (s *Stage) next(ctx context.Context) (plan *bus.Plan, again bool, err error
 		repairs = s.p.Repairs.Ready()
 	}
 	for {
+		if err := ctx.Err(); err != nil {
+			// Checked first: a repair left pending by a cancelled apply must not
+			// be applied again and again by a stage told to stop.
+			return nil, false, err
+		}
 		if s.p.Repairs != nil {
 			if r, ok := s.p.Repairs.TryTake(); ok {
 				s.takeRepair(r)

@@ -185,3 +185,34 @@ func TestFailedRepairWaitsForTheNextPlan(t *testing.T) {
 	}
 	requireFresh(t, k, st, "after the next plan")
 }
+
+// A commit stopped while it repairs returns at once (the repair stays pending for
+// the restarted stage), instead of applying the repair again and again.
+func TestStopDuringARepair(t *testing.T) {
+	k := fakekernel.New()
+	st := render.SyntheticState(5, 1)
+	s := testStage(k)
+	repairs := bus.NewMergingMailbox(bus.MergeRepairs)
+	s.p.Repairs = repairs
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- s.Run(ctx) }()
+	s.p.In.Put(planOf(st, 1, true))
+	if r := takeResult(t, s); !r.OK {
+		t.Fatal(r.Err)
+	}
+	k.Mu.Lock()
+	k.StallAfter = func(int) bool { return true } // the repair's restore hangs until the stage is stopped
+	k.Mu.Unlock()
+	repairs.Put(bus.Repair{Lost: true, Since: time.Now()})
+	waitFor(t, k, "the repair's restore", func() bool { return k.Restores > 1 })
+	cancel()
+	select {
+	case <-done:
+	case <-time.After(5 * time.Second):
+		t.Fatal("a commit stopped during a repair did not return")
+	}
+	if s.repair == nil {
+		t.Error("the repair cut short by the stop was dropped; the restarted stage must do it")
+	}
+}
