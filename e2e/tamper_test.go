@@ -174,7 +174,10 @@ func TestTamperRepairedWithinASecond(t *testing.T) {
 	fmt.Printf("tamper → repaired (limit %v):\n  %s\n", tamperLimit, strings.Join(report, "\n  "))
 }
 
-// kpipeRules are kpipe's IPv4 nat and filter rules now.
+// kpipeRules are kpipe's IPv4 nat and filter rules now. Its jumps in a built-in
+// chain are sorted: their order among themselves depends on which went missing
+// when (each missing one is put back first, as kube-proxy does), and kpipe's
+// jumps being in front of other rules is checked apart (frontJumpFirst).
 func kpipeRules(t *testing.T) testbed.RuleDump {
 	t.Helper()
 	var d testbed.RuleDump
@@ -185,6 +188,11 @@ func kpipeRules(t *testing.T) testbed.RuleDump {
 		}
 		if err := d.NormalizeSave("ipv4", out); err != nil {
 			t.Fatal(err)
+		}
+	}
+	for key, rules := range d.Chains {
+		if chain := strings.Fields(key)[2]; nf.KindOf(chain) == nf.KindOther {
+			slices.Sort(rules)
 		}
 	}
 	return d

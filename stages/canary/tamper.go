@@ -33,11 +33,13 @@ func subscribeTool(t nf.Tool) Subscribe {
 
 // Debouncing: a repair waits until no change came for quiet, but never longer
 // than patience after the first change. One tamper is often several iptables
-// runs (-F, then -X): a repair between them would make the -X fail (the chain is
-// in use again). Both stay well inside the 1 s a repair may take.
+// runs (-F, then -X): a repair between them makes the -X fail (the chain is in
+// use again, or holds its rules again); 50 ms was too short for two runs of
+// `ip netns exec … iptables` on a loaded host (TestCanaryRepairsFlushedNAT).
+// Both stay inside the 1 s a repair may take.
 const (
-	quiet    = 50 * time.Millisecond
-	patience = 250 * time.Millisecond
+	quiet    = 200 * time.Millisecond
+	patience = 500 * time.Millisecond
 )
 
 // tamper collects one family's changes until they are handed to commit.
