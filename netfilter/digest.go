@@ -106,13 +106,18 @@ const (
 	nfprotoIPv4        = 2  // NFPROTO_IPV4
 	nfprotoIPv6        = 10 // NFPROTO_IPV6
 
+	nftMsgNewTable = 0    // NFT_MSG_NEWTABLE
+	nftMsgDelTable = 2    // NFT_MSG_DELTABLE
 	nftMsgNewChain = 3    // NFT_MSG_NEWCHAIN: how the kernel answers GETCHAIN
+	nftMsgDelChain = 5    // NFT_MSG_DELCHAIN
+	nftMsgDelRule  = 8    // NFT_MSG_DELRULE
 	nftMsgGetChain = 4    // NFT_MSG_GETCHAIN
 	nftMsgNewRule  = 6    // NFT_MSG_NEWRULE: how the kernel answers GETRULE
 	nftMsgGetRule  = 7    // NFT_MSG_GETRULE
 	nftMsgNewGen   = 0x0f // NFT_MSG_NEWGEN
 	nftMsgGetGen   = 0x10 // NFT_MSG_GETGEN
 
+	nftaTableName  = 1 // NFTA_TABLE_NAME
 	nftaChainTable = 1 // NFTA_CHAIN_TABLE
 	nftaChainName  = 3 // NFTA_CHAIN_NAME
 

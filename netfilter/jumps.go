@@ -52,7 +52,10 @@ func (j Jump) spec() []string {
 // one first (as kube-proxy does). It reads each built-in chain once with -S,
 // which is cheap, and only creates chains and inserts rules for what is missing:
 // a check with -C loads the whole table, which takes ~0.2 s at 10k services.
-func (t Tool) EnsureJumps(ctx context.Context, js []Jump) error {
+//
+// With first, it also moves kpipe's jumps back in front of rules another agent
+// put before them (moveJumpsFirst); the other rules stay as they are.
+func (t Tool) EnsureJumps(ctx context.Context, js []Jump, first bool) error {
 	listed := map[string][]string{}
 	for _, j := range js {
 		key := j.Table + "/" + j.From
@@ -63,6 +66,11 @@ func (t Tool) EnsureJumps(ctx context.Context, js []Jump) error {
 				return fmt.Errorf("list %s: %w", key, err)
 			}
 			listed[key] = rules
+			if first {
+				if err := t.moveJumpsFirst(ctx, j.Table, j.From, rules, js); err != nil {
+					return fmt.Errorf("move kpipe's jumps in %s first: %w", key, err)
+				}
+			}
 		}
 		if jumpPresent(rules, j) {
 			continue
@@ -75,6 +83,43 @@ func (t Tool) EnsureJumps(ctx context.Context, js []Jump) error {
 		}
 	}
 	return nil
+}
+
+// moveJumpsFirst puts kpipe's jumps in chain (listed as rules) back in front of
+// every other rule, keeping their order among themselves: each one that comes
+// after another agent's rule is deleted and inserted again right after the
+// jumps in front, both in one transaction (no packet finds it missing). Only
+// kpipe's own rules are written, each as the kernel lists it.
+func (t Tool) moveJumpsFirst(ctx context.Context, table, chain string, rules []string, js []Jump) error {
+	inFront := 0
+	for inFront < len(rules) && isJump(rules[inFront], table, chain, js) {
+		inFront++
+	}
+	var b strings.Builder
+	var moved []string
+	for _, r := range rules[inFront:] {
+		if isJump(r, table, chain, js) && !slices.Contains(rules[:inFront], r) {
+			moved = append(moved, r)
+			b.WriteString("-D" + strings.TrimPrefix(r, "-A") + "\n")
+		}
+	}
+	if len(moved) == 0 {
+		return nil
+	}
+	for i, r := range moved {
+		fmt.Fprintf(&b, "-I %s %d%s\n", chain, inFront+i+1, strings.TrimPrefix(r, "-A "+chain))
+	}
+	return t.Restore(ctx, []byte("*"+table+"\n"+b.String()+"COMMIT\n"))
+}
+
+// isJump says whether rule, listed in table's chain, is one of js.
+func isJump(rule, table, chain string, js []Jump) bool {
+	for _, j := range js {
+		if j.Table == table && j.From == chain && jumpPresent([]string{rule}, j) {
+			return true
+		}
+	}
+	return false
 }
 
 // insertUnique inserts rule first in chain unless chain has it already (checked

@@ -62,9 +62,15 @@ func (t Tool) runTool(ctx context.Context, binary string, stdin []byte, args ...
 	if stdin != nil {
 		cmd.Stdin = bytes.NewReader(stdin)
 	}
-	var stderr bytes.Buffer
-	cmd.Stderr = &stderr
-	out, err := cmd.Output()
+	var stdout, stderr bytes.Buffer
+	cmd.Stdout, cmd.Stderr = &stdout, &stderr
+	err := cmd.Start()
+	if err == nil {
+		ownTools.started(cmd.Process.Pid) // before it can write: its changes are kpipe's
+		err = cmd.Wait()
+		ownTools.exited(cmd.Process.Pid)
+	}
+	out := stdout.Bytes()
 	if err == nil {
 		return out, nil
 	}

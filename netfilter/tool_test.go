@@ -7,6 +7,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strings"
 	"syscall"
 	"testing"
@@ -79,7 +80,7 @@ func TestEnsureJumpsStopsWaitingForTheLock(t *testing.T) {
 			ctx, cancel := context.WithTimeout(context.Background(), 300*time.Millisecond)
 			defer cancel()
 			start := time.Now()
-			err := within(t, ns, 2*time.Second, func() error { return tool.EnsureJumps(ctx, Jumps(true)) })
+			err := within(t, ns, 2*time.Second, func() error { return tool.EnsureJumps(ctx, Jumps(true), false) })
 			if err == nil {
 				t.Fatalf("EnsureJumps succeeded while another process held the xtables lock")
 			}
@@ -165,14 +166,14 @@ func TestEnsureJumps(t *testing.T) {
 				ctx := context.Background()
 				js := Jumps(true)
 				for range 2 {
-					if err := tool.EnsureJumps(ctx, js); err != nil {
+					if err := tool.EnsureJumps(ctx, js, false); err != nil {
 						return err
 					}
 				}
 				if err := tool.run1("-t", TableNAT, "-D", "PREROUTING", "-m", "comment", "--comment", "kubernetes service portals", "-j", ChainServices); err != nil {
 					return err
 				}
-				if err := tool.EnsureJumps(ctx, js); err != nil {
+				if err := tool.EnsureJumps(ctx, js, false); err != nil {
 					return err
 				}
 				for _, j := range js {
@@ -191,6 +192,66 @@ func TestEnsureJumps(t *testing.T) {
 					}
 					if n != 1 {
 						return fmt.Errorf("%s/%s has %d jumps to %s; want 1: %q", j.Table, j.From, n, j.To, rules)
+					}
+				}
+				return nil
+			})
+		})
+	}
+}
+
+// EnsureJumps with first moves kpipe's jumps back in front of rules another agent
+// inserted before them, keeping their order and the agent's rules; without first,
+// it leaves the order alone.
+func TestEnsureJumpsFirst(t *testing.T) {
+	for _, tool := range tools(t) {
+		t.Run(tool.binary(""), func(t *testing.T) {
+			netnstest.New(t).Run(t, func() error {
+				ctx := context.Background()
+				js := Jumps(true)
+				if err := tool.EnsureJumps(ctx, js, true); err != nil {
+					return err
+				}
+				before := map[string][]string{}
+				for _, chain := range [][2]string{{TableNAT, "PREROUTING"}, {TableFilter, "INPUT"}} {
+					rules, err := tool.ListChain(ctx, chain[0], chain[1])
+					if err != nil {
+						return err
+					}
+					before[chain[0]+"/"+chain[1]] = rules
+					for _, pos := range []string{"1", "3"} {
+						if err := tool.run1("-t", chain[0], "-I", chain[1], pos, "-m", "comment", "--comment", "agent "+pos, "-j", "ACCEPT"); err != nil {
+							return err
+						}
+					}
+					if err := tool.run1("-t", chain[0], "-A", chain[1], "-m", "comment", "--comment", "agent last", "-j", "ACCEPT"); err != nil {
+						return err
+					}
+				}
+				agent := func(chain string) []string {
+					return []string{
+						"-A " + chain + ` -m comment --comment "agent 1" -j ACCEPT`,
+						"-A " + chain + ` -m comment --comment "agent 3" -j ACCEPT`,
+						"-A " + chain + ` -m comment --comment "agent last" -j ACCEPT`,
+					}
+				}
+				if err := tool.EnsureJumps(ctx, js, false); err != nil {
+					return err
+				}
+				if rules, _ := tool.ListChain(ctx, TableNAT, "PREROUTING"); !strings.Contains(rules[0], "agent 1") {
+					return fmt.Errorf("EnsureJumps without first reordered PREROUTING: %q", rules)
+				}
+				if err := tool.EnsureJumps(ctx, js, true); err != nil {
+					return err
+				}
+				for key, kpipe := range before {
+					table, chain, _ := strings.Cut(key, "/")
+					rules, err := tool.ListChain(ctx, table, chain)
+					if err != nil {
+						return err
+					}
+					if want := append(slices.Clone(kpipe), agent(chain)...); !slices.Equal(rules, want) {
+						return fmt.Errorf("%s after EnsureJumps first:\n%s\nwant\n%s", key, strings.Join(rules, "\n"), strings.Join(want, "\n"))
 					}
 				}
 				return nil

@@ -73,7 +73,8 @@ func (d deps) families() []bus.Family {
 
 // buildTree makes the mailboxes and the stages and puts them under their
 // supervisors (see arrange). Control edges are typed: resend (render, commit →
-// coalesce), resync (canary → coalesce), replay (coalesce → watch).
+// coalesce), resync (canary → coalesce), replay (coalesce → watch), and repairs
+// (canary → commit).
 func buildTree(o *Options, d deps) *supervise.Supervisor {
 	board := d.board
 	if board == nil {
@@ -83,18 +84,19 @@ func buildTree(o *Options, d deps) *supervise.Supervisor {
 	changes, replay := make(chan bus.Change, 1024), bus.NewReplayFlag()
 	checks := bus.NewMergingMailbox(bus.MergeHealthCheckUpdates)
 	resync := map[bus.Family]*bus.ResyncFlag{}
+	repairs := map[bus.Family]*bus.Mailbox[bus.Repair]{}
 	var r treeRunners
 	var coalesceIO []coalesce.Family
 	for _, f := range d.families() {
 		snapshots, plans := bus.NewMailbox[*bus.Snapshot](), bus.NewMailbox[*bus.Plan]()
 		results, flows := bus.NewMailbox[bus.Result](), bus.NewMergingMailbox(bus.MergeStaleFlows)
 		resend := bus.NewResendFlag()
-		resync[f] = bus.NewResyncFlag()
+		resync[f], repairs[f] = bus.NewResyncFlag(), bus.NewMergingMailbox(bus.MergeRepairs)
 		coalesceIO = append(coalesceIO, coalesce.Family{Family: f, Out: snapshots, Results: results, Resync: resync[f], Resend: resend})
 		rs := render.NewStage(render.Params{Config: o.renderConfig(f, d.host), In: snapshots, Out: plans, Resend: resend,
 			Env: envs.For(bus.Render.Of(f))})
 		cs := commit.NewStage(commit.Params{Family: f, LocalhostNodePorts: o.localhostNodePorts(), In: plans, Results: results,
-			Resend: resend, Flows: flows, HealthChecks: checks, Ledger: commit.NewLedger(), Kernel: d.kernels[f],
+			Resend: resend, Flows: flows, HealthChecks: checks, Repairs: repairs[f], Ledger: commit.NewLedger(), Kernel: d.kernels[f],
 			Env: envs.For(bus.Commit.Of(f))})
 		ct := conntrack.NewStage(conntrack.Params{Family: f, In: flows, Dial: d.conntrack, Env: envs.For(bus.Conntrack.Of(f))})
 		r.families = append(r.families, familyRunners{family: f, render: rs.Run, commit: cs.Run, conntrack: ct.Run})
@@ -105,7 +107,8 @@ func buildTree(o *Options, d deps) *supervise.Supervisor {
 		In: changes, Replay: replay, Families: coalesceIO, Env: envs.For(bus.Coalesce)}).Run
 	r.events = events.NewStage(events.Params{Broadcaster: d.broadcaster, Recorder: d.recorder, Node: o.HostnameOverride,
 		SetupFailures: d.setupFailures, Families: d.families(), Board: board, Env: envs.For(events.Name)}).Run
-	r.canary = canary.NewStage(canary.Params{Interval: o.CanaryInterval, Resync: resync, Tools: d.canaries, Env: envs.For(bus.Canary)}).Run
+	r.canary = canary.NewStage(canary.Params{Interval: o.CanaryInterval, Resync: resync, Repairs: repairs, Tools: d.canaries,
+		Env: envs.For(bus.Canary)}).Run
 
 	var root *supervise.Supervisor
 	var stagesHandler http.Handler

@@ -1,10 +1,17 @@
-// Package canary notices when something else flushed kpipe's tables: it keeps a
-// KUBE-PROXY-CANARY chain holding one rule in mangle, nat and filter, and asks for a
-// full resync when a chain or its rule disappears (iptables -X or -F).
+// Package canary notices when something else changed kpipe's rules. On the
+// nf_tables backend it receives every change another process makes to the tables
+// (nf_tables notifications) and asks commit to repair what was kpipe's: the
+// chains changed, the jumps from built-in chains, everything when a table was
+// deleted. On the legacy backend, which sends no notifications, it keeps a
+// KUBE-PROXY-CANARY chain holding one rule in nat and filter (an empty one in
+// mangle), checks it every interval, and asks for a full resync when a chain or
+// its rule disappears (iptables -X or -F). The canaries are kept on both, as
+// kube-proxy keeps them.
 package canary
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"log/slog"
 	"time"
@@ -33,7 +40,12 @@ type Params struct {
 	Resync map[bus.Family]*bus.ResyncFlag
 	// Tools check each family's canaries; nil: iptables (nf.Tool).
 	Tools map[bus.Family]Canaries
-	Env   bus.Env
+	// Repairs go to each family's commit (nil: poll only). Subscribe gives the
+	// families' changes as they happen; nil: nf_tables notifications for the
+	// families whose tool is an nf.Tool.
+	Repairs   map[bus.Family]*bus.Mailbox[bus.Repair]
+	Subscribe map[bus.Family]Subscribe
+	Env       bus.Env
 }
 
 // Stage watches the canary chains of every family.
@@ -43,6 +55,9 @@ type Stage struct {
 	log      *slog.Logger
 	tools    map[bus.Family]Canaries
 	failures map[bus.Family]int // checks failed in a row
+	repairs  map[bus.Family]*bus.Mailbox[bus.Repair]
+	subs     map[bus.Family]Subscribe
+	started  bool // Run ran before: changes made while it was down went unseen
 }
 
 // NewStage makes the canary stage.
@@ -54,37 +69,181 @@ func NewStage(p Params) *Stage {
 			tools[f] = nf.Tool{Family: f}
 		}
 	}
-	return &Stage{interval: p.Interval, resync: p.Resync, log: p.Env.Log, tools: tools, failures: map[bus.Family]int{}}
+	subs := p.Subscribe
+	if subs == nil && p.Repairs != nil {
+		subs = map[bus.Family]Subscribe{}
+		for f, tool := range tools {
+			if t, ok := tool.(nf.Tool); ok {
+				subs[f] = subscribeTool(t)
+			}
+		}
+	}
+	return &Stage{interval: p.Interval, resync: p.Resync, log: p.Env.Log, tools: tools, failures: map[bus.Family]int{},
+		repairs: p.Repairs, subs: subs}
 }
 
-// Run checks the canaries every interval until ctx ends.
+// Run repairs what others change (nf_tables) or checks the canaries every
+// interval (legacy) until ctx ends.
 func (s *Stage) Run(ctx context.Context) error {
 	clear(s.failures) // a restart starts the count again
+	restarted := s.started
+	s.started = true
 	for f, tool := range s.tools {
-		if err := tool.EnsureCanaries(ctx, tables); err != nil {
+		var err error
+		if restarted {
+			// Changes made while the stage was down went unseen: a flush shows
+			// as a canary gone.
+			err = s.check(ctx, f, tool)
+		} else {
+			err = tool.EnsureCanaries(ctx, tables)
+		}
+		if err != nil {
 			if ctx.Err() != nil {
 				return nil
 			}
 			return fmt.Errorf("put the %v canaries in place: %w", f, err)
 		}
 	}
-	tick := time.NewTicker(s.interval)
-	defer tick.Stop()
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	changes := make(chan familyChanges)
+	polled := map[bus.Family]Canaries{}
+	for f, tool := range s.tools {
+		sub := s.subscribe(ctx, f)
+		if sub == nil {
+			polled[f] = tool
+			continue
+		}
+		defer sub.Close()
+		go receive(ctx, f, sub, changes)
+	}
+	var tick <-chan time.Time
+	if len(polled) > 0 {
+		ticker := time.NewTicker(s.interval)
+		defer ticker.Stop()
+		tick = ticker.C
+	}
+	pending := map[bus.Family]*tamper{}
+	debounce := time.NewTimer(time.Hour)
+	defer debounce.Stop()
+	var first time.Time
 	for {
 		select {
 		case <-ctx.Done():
 			return nil
-		case <-tick.C:
-		}
-		for f, tool := range s.tools {
-			if err := s.check(ctx, f, tool); err != nil {
-				if ctx.Err() != nil {
-					return nil
+		case <-tick:
+			for f, tool := range polled {
+				if err := s.check(ctx, f, tool); err != nil {
+					if ctx.Err() != nil {
+						return nil
+					}
+					return err
 				}
-				return err
+			}
+		case c := <-changes:
+			if c.err != nil && !errors.Is(c.err, nf.ErrLost) {
+				return fmt.Errorf("receive the %v nf_tables changes: %w", c.family, c.err)
+			}
+			now := time.Now()
+			if len(pending) == 0 {
+				first = now
+			}
+			t := pending[c.family]
+			if t == nil {
+				t = &tamper{since: now}
+				pending[c.family] = t
+			}
+			t.changes = append(t.changes, c.changes...)
+			t.overflowed = t.overflowed || c.err != nil
+			debounce.Reset(min(quiet, first.Add(patience).Sub(now)))
+		case <-debounce.C:
+			for f, t := range pending {
+				if err := s.repair(ctx, f, *t); err != nil {
+					if ctx.Err() != nil {
+						return nil
+					}
+					return err
+				}
+			}
+			clear(pending)
+		}
+	}
+}
+
+// familyChanges are changes (or an error) from one family's subscription.
+type familyChanges struct {
+	family  bus.Family
+	changes []nf.Change
+	err     error
+}
+
+// subscribe subscribes to f's changes, or says (nil) that f is polled.
+func (s *Stage) subscribe(ctx context.Context, f bus.Family) Changes {
+	if s.subs[f] == nil || s.repairs[f] == nil {
+		return nil
+	}
+	sub, err := s.subs[f](ctx)
+	if errors.Is(err, nf.ErrNotNFTables) {
+		s.log.Info("legacy iptables: checking the canaries every interval", "family", f, "interval", s.interval)
+		return nil
+	}
+	if err != nil {
+		s.log.Warn("cannot receive nf_tables changes; checking the canaries every interval", "family", f, "interval", s.interval, "err", err)
+		return nil
+	}
+	return sub
+}
+
+// receive passes f's changes on until ctx ends or the subscription fails.
+func receive(ctx context.Context, f bus.Family, sub Changes, out chan<- familyChanges) {
+	for {
+		cs, err := sub.Next(ctx)
+		if ctx.Err() != nil {
+			return
+		}
+		select {
+		case out <- familyChanges{family: f, changes: cs, err: err}:
+		case <-ctx.Done():
+			return
+		}
+		if err != nil && !errors.Is(err, nf.ErrLost) {
+			return
+		}
+	}
+}
+
+// repair hands what another writer changed of kpipe's to commit, and puts the
+// canaries back when they were touched (no resync: commit repairs the rest).
+//
+// When notifications were lost it cannot know what changed: rewriting everything
+// would be wrong (kpipe's own large writes overflow the socket, and a full sync
+// would overflow it again), so it looks at the canaries, as the legacy poll
+// does: one gone means a flush, and everything is rewritten.
+func (s *Stage) repair(ctx context.Context, f bus.Family, t tamper) error {
+	if t.overflowed {
+		for _, table := range tables {
+			alive, err := s.tools[f].CanaryAlive(ctx, table)
+			if err != nil {
+				s.log.Warn("nf_tables changes lost, and cannot check the canary", "family", f, "table", table, "err", err)
+				break
+			}
+			if !alive {
+				t.lost = true
+				break
 			}
 		}
 	}
+	rep, canaries := repairFor(t)
+	if !rep.Empty() {
+		s.log.Info("another writer changed kpipe's rules; repairing", "family", f, "changes", len(t.changes), "lost", rep.Lost)
+		s.repairs[f].Put(rep)
+	}
+	if canaries {
+		if err := s.tools[f].EnsureCanaries(ctx, tables); err != nil {
+			return fmt.Errorf("put the %v canaries back: %w", f, err)
+		}
+	}
+	return nil
 }
 
 // check asks for a full resync of family f when a canary is gone, and puts the

@@ -67,3 +67,32 @@ func TestFlushIsNoticed(t *testing.T) {
 		return nil
 	})
 }
+
+// On the nf_tables backend the stage subscribes to the changes; it stops
+// promptly when its context ends (kpipe's shutdown waits for it).
+func TestSubscribedStageStops(t *testing.T) {
+	if _, err := exec.LookPath("iptables"); err != nil {
+		netnstest.Unavailable(t, "iptables not installed (go tool task setup)")
+	}
+	netnstest.New(t).Run(t, func() error {
+		repairs := bus.NewMergingMailbox(bus.MergeRepairs)
+		s := NewStage(Params{Interval: time.Hour, Resync: map[bus.Family]*bus.ResyncFlag{bus.IPv4: bus.NewResyncFlag()},
+			Repairs: map[bus.Family]*bus.Mailbox[bus.Repair]{bus.IPv4: repairs}, Env: bus.Envs{}.For(bus.Canary)})
+		for round := range 20 {
+			ctx, cancel := context.WithCancel(context.Background())
+			done := make(chan error, 1)
+			go func() { done <- s.Run(ctx) }()
+			time.Sleep(time.Duration(round) * 5 * time.Millisecond)
+			cancel()
+			select {
+			case err := <-done:
+				if err != nil {
+					return err
+				}
+			case <-time.After(5 * time.Second):
+				return fmt.Errorf("round %d: Run still running 5s after its context ended", round)
+			}
+		}
+		return nil
+	})
+}

@@ -28,8 +28,9 @@ type Kernel interface {
 	Digests(ctx context.Context, table string, names []string) (map[string]uint64, error)
 	// ChainNames lists the chains of table.
 	ChainNames(ctx context.Context, table string) ([]string, error)
-	// EnsureJumps puts back any missing jump from a built-in chain.
-	EnsureJumps(ctx context.Context, js []nf.Jump) error
+	// EnsureJumps puts back any missing jump from a built-in chain; with first,
+	// it also moves kpipe's jumps back in front of other agents' rules.
+	EnsureJumps(ctx context.Context, js []nf.Jump, first bool) error
 	// WriteSysctl sets a sysctl such as "net/ipv4/conf/all/route_localnet".
 	WriteSysctl(name, value string) error
 }
@@ -49,6 +50,9 @@ type Params struct {
 	// commit; either may be nil.
 	Flows        *bus.Mailbox[bus.StaleFlows]
 	HealthChecks *bus.Mailbox[bus.HealthCheckUpdates]
+	// Repairs (from canary; may be nil) name what another writer changed in
+	// kpipe's rules: commit rewrites it at once from the last plan it applied.
+	Repairs *bus.Mailbox[bus.Repair]
 	// Ledger outlives the stage: a restarted stage gets the same one.
 	Ledger *Ledger
 	Kernel Kernel
@@ -67,6 +71,11 @@ type Stage struct {
 	metrics          *metrics.Metrics
 	written          map[string]int // rules the last apply wrote, by table
 	log              *slog.Logger
+	// last is the last plan applied (nil after a failure: coalesce then sends a
+	// full sync); repair asks for it to be applied again, and jumps for kpipe's
+	// jumps to be moved back in front in these tables after the next apply.
+	last   *bus.Plan
+	repair *bus.Repair
 }
 
 // NewStage makes the commit stage of one family.
@@ -84,9 +93,13 @@ func (s *Stage) Run(ctx context.Context) error {
 		s.p.Resend.Raise()
 	}
 	for {
-		plan, err := s.p.In.Take(ctx)
+		plan, again, err := s.next(ctx)
 		if err != nil {
 			return nil
+		}
+		if again {
+			s.applyAgain(ctx, plan)
+			continue
 		}
 		start := time.Now()
 		full := s.writtenFull(plan)
@@ -94,6 +107,7 @@ func (s *Stage) Run(ctx context.Context) error {
 			if ctx.Err() != nil {
 				return nil
 			}
+			s.last = nil
 			// Not logged here: coalesce logs the failure with the backoff it retries after.
 			s.countFailure(full)
 			s.p.Env.Status.Failed(err, time.Now())
@@ -101,7 +115,11 @@ func (s *Stage) Run(ctx context.Context) error {
 			s.p.Results.Put(bus.Result{Family: s.family, Generation: plan.Generation, Err: err, Full: full, At: time.Now()})
 			continue
 		}
+		last := *plan // applied again, it is neither a full nor a periodic sync, nor timed from render
+		last.Full, last.Refresh, last.Started = false, false, time.Time{}
+		s.last = &last
 		now := time.Now()
+		s.repaired(ctx)
 		s.record(plan, full, start, now)
 		flows, udpChanged := staleFlows(s.family, s.ledger.udp, s.ledger.haveUDP, plan.UDP)
 		s.ledger.udp, s.ledger.haveUDP = plan.UDP, true
@@ -114,6 +132,107 @@ func (s *Stage) Run(ctx context.Context) error {
 		// The result goes last: whoever sees it sees everything this commit sent.
 		s.p.Results.Put(bus.Result{Family: s.family, Generation: plan.Generation, OK: true, Full: full, Refresh: plan.Refresh, At: now})
 	}
+}
+
+// next waits for a plan to apply: a new one from render, or (again) the last one
+// when a repair is wanted and no new plan waits (a new one rewrites the chains in
+// doubt too). Before any plan succeeded, a repair waits for the next plan.
+func (s *Stage) next(ctx context.Context) (plan *bus.Plan, again bool, err error) {
+	var repairs <-chan struct{}
+	if s.p.Repairs != nil {
+		repairs = s.p.Repairs.Ready()
+	}
+	for {
+		if err := ctx.Err(); err != nil {
+			// Checked first: a repair left pending by a cancelled apply must not
+			// be applied again and again by a stage told to stop.
+			return nil, false, err
+		}
+		if s.p.Repairs != nil {
+			if r, ok := s.p.Repairs.TryTake(); ok {
+				s.takeRepair(r)
+			}
+		}
+		if plan, ok := s.p.In.TryTake(); ok {
+			return plan, false, nil
+		}
+		if s.repair != nil && s.last != nil {
+			return s.last, true, nil
+		}
+		select {
+		case <-ctx.Done():
+			return nil, false, ctx.Err()
+		case <-s.p.In.Ready():
+		case <-repairs:
+		}
+	}
+}
+
+// takeRepair records a repair request: its chains (those the ledger knows) are in
+// doubt from now on, so the next apply rewrites them; a lost table makes the next
+// apply a full sync.
+func (s *Stage) takeRepair(r bus.Repair) {
+	if s.repair != nil {
+		r = bus.MergeRepairs(*s.repair, r)
+	}
+	for table, chains := range r.Chains {
+		for chain := range chains {
+			s.ledger.suspect(table, chain)
+		}
+	}
+	if r.Lost {
+		s.ledger.synced = false
+	}
+	s.repair = &r
+}
+
+// applyAgain applies the last plan again, for a repair. A failure is logged and
+// the repair dropped (no retry in a loop): its chains stay in doubt (a lost table:
+// the ledger unsynced), so the next plan, at the latest the periodic sync's,
+// rewrites them.
+func (s *Stage) applyAgain(ctx context.Context, plan *bus.Plan) {
+	start := time.Now()
+	full := s.writtenFull(plan)
+	if err := s.apply(ctx, plan); err != nil {
+		if ctx.Err() == nil {
+			s.repair = nil
+			s.log.Warn("repairing rules another writer changed", "family", s.family, "err", err)
+			s.p.Env.Status.Failed(err, time.Now())
+		}
+		return
+	}
+	if full { // a full sync like any other, for the metrics and /sync
+		s.record(plan, full, start, time.Now())
+	}
+	s.repaired(ctx)
+}
+
+// repaired finishes the repair an apply just carried: kpipe's jumps go back in
+// front where another writer changed a built-in chain.
+func (s *Stage) repaired(ctx context.Context) {
+	r := s.repair
+	if r == nil {
+		return
+	}
+	s.repair = nil
+	var js []nf.Jump
+	for _, j := range nf.Jumps(s.localnetFirewall) {
+		if r.Jumps[j.Table] {
+			js = append(js, j)
+		}
+	}
+	if len(js) > 0 {
+		if err := s.kernel.EnsureJumps(ctx, js, true); err != nil {
+			s.log.Warn("putting kpipe's jumps back in front", "family", s.family, "err", err)
+			return
+		}
+	}
+	chains := 0
+	for _, cs := range r.Chains {
+		chains += len(cs)
+	}
+	s.log.Info("repaired what another writer changed", "family", s.family, "chains", chains, "jump_tables", len(js), "lost", r.Lost,
+		"took", time.Since(r.Since).Round(time.Millisecond))
 }
 
 // writtenFull says whether plan is written as a full sync: asked for, or without
@@ -151,7 +270,7 @@ func (s *Stage) apply(ctx context.Context, plan *bus.Plan) error {
 	}
 	s.learn(ctx, w)
 	if full || plan.Refresh {
-		if err := s.kernel.EnsureJumps(ctx, nf.Jumps(s.localnetFirewall)); err != nil {
+		if err := s.kernel.EnsureJumps(ctx, nf.Jumps(s.localnetFirewall), false); err != nil {
 			return err
 		}
 	}

@@ -38,5 +38,5 @@ func (nullKernel) Digests(context.Context, string, []string) (map[string]uint64,
 	return map[string]uint64{}, nil
 }
 func (nullKernel) ChainNames(context.Context, string) ([]string, error) { return nil, nil }
-func (nullKernel) EnsureJumps(context.Context, []nf.Jump) error         { return nil }
+func (nullKernel) EnsureJumps(context.Context, []nf.Jump, bool) error   { return nil }
 func (nullKernel) WriteSysctl(string, string) error                     { return nil }

@@ -140,3 +140,13 @@ func (l *Ledger) matches(table, chain string, digest uint64) bool {
 	kn, ok := l.chains[key(table, chain)]
 	return ok && kn.seen && kn.listed == digest
 }
+
+// suspect marks a chain another writer changed as in doubt, so that the next
+// write rewrites it (or deletes it, if no longer wanted). A chain kpipe did not
+// write is not kpipe's to repair.
+func (l *Ledger) suspect(table, chain string) {
+	k := key(table, chain)
+	if _, ok := l.chains[k]; ok {
+		l.unsure[k] = true
+	}
+}

@@ -165,10 +165,19 @@ func (k *Kernel) ChainNames(ctx context.Context, table string) ([]string, error)
 	return slices.Sorted(maps.Keys(all)), nil
 }
 
-func (k *Kernel) EnsureJumps(context.Context, []nf.Jump) error {
+// EnsureJumps records "jumps" (with first: "jumps first" and the tables).
+func (k *Kernel) EnsureJumps(_ context.Context, js []nf.Jump, first bool) error {
 	k.Mu.Lock()
 	defer k.Mu.Unlock()
-	k.Events = append(k.Events, "jumps")
+	if !first {
+		k.Events = append(k.Events, "jumps")
+		return nil
+	}
+	tables := map[string]bool{}
+	for _, j := range js {
+		tables[j.Table] = true
+	}
+	k.Events = append(k.Events, "jumps first "+strings.Join(slices.Sorted(maps.Keys(tables)), ","))
 	return nil
 }
 

@@ -1,0 +1,46 @@
+package bus
+
+import (
+	"maps"
+	"time"
+)
+
+// Repair asks commit to put back what another writer changed in kpipe's rules
+// (canary → commit, merging mailbox per family): rewrite the chains named, put
+// kpipe's jumps back in front in the tables named, or, when Lost, rewrite
+// everything as a full sync. Commit rewrites only chains its ledger says it
+// wrote, and moves only its own jumps: another agent's rules are never touched.
+type Repair struct {
+	// Chains are kpipe's chains another writer changed, by table.
+	Chains map[string]map[string]bool
+	// Jumps are the tables whose built-in chains another writer changed.
+	Jumps map[string]bool
+	// Lost: a table was deleted, or changes went unseen.
+	Lost bool
+	// Since is when the first change this repair answers was seen.
+	Since time.Time
+}
+
+// Empty says whether r asks for nothing.
+func (r Repair) Empty() bool { return !r.Lost && len(r.Chains) == 0 && len(r.Jumps) == 0 }
+
+// MergeRepairs folds a newer repair request into one not yet taken.
+func MergeRepairs(old, new Repair) Repair {
+	out := Repair{Chains: map[string]map[string]bool{}, Jumps: maps.Clone(old.Jumps), Lost: old.Lost || new.Lost, Since: old.Since}
+	if out.Jumps == nil {
+		out.Jumps = map[string]bool{}
+	}
+	maps.Copy(out.Jumps, new.Jumps)
+	for _, r := range []Repair{old, new} {
+		for table, chains := range r.Chains {
+			if out.Chains[table] == nil {
+				out.Chains[table] = map[string]bool{}
+			}
+			maps.Copy(out.Chains[table], chains)
+		}
+	}
+	if out.Since.IsZero() || (!new.Since.IsZero() && new.Since.Before(out.Since)) {
+		out.Since = new.Since
+	}
+	return out
+}
