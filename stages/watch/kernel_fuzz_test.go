@@ -42,8 +42,8 @@ func FuzzWatchRenderKernel(f *testing.F) {
 		// Bound the rule count (ports × endpoints) so an input stays a few
 		// seconds at most; the conversion target covers the full sizes.
 		for _, sl := range slices {
-			if eps := len(sl.Endpoints); eps > 0 && len(svc.Spec.Ports)*eps > 4096 {
-				svc.Spec.Ports = svc.Spec.Ports[:max(1, 4096/eps)]
+			if eps := len(sl.Endpoints); eps > 0 && len(svc.Spec.Ports)*eps > 1500 {
+				svc.Spec.Ports = svc.Spec.Ports[:max(1, 1500/eps)]
 			}
 		}
 		st := kernelState(svc, slices)
