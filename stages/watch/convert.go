@@ -8,12 +8,44 @@ import (
 
 	corev1 "k8s.io/api/core/v1"
 	discoveryv1 "k8s.io/api/discovery/v1"
+	"k8s.io/apimachinery/pkg/util/validation"
 
 	"github.com/kpipe/kpipe/bus"
 )
 
-// defaultAffinitySeconds is the API's default sessionAffinityConfig timeout (3 hours).
-const defaultAffinitySeconds = 10800
+// The API's default and largest sessionAffinityConfig timeout (3 hours, 1 day).
+const (
+	defaultAffinitySeconds = 10800
+	maxAffinitySeconds     = 86400
+)
+
+// parseIP reads one address as the rules will write it: IPv4-mapped IPv6
+// addresses become IPv4, and an IPv6 zone ("fe80::1%eth0"), which no rule can
+// hold, makes it invalid.
+func parseIP(s string) (netip.Addr, bool) {
+	a, err := netip.ParseAddr(s)
+	if err != nil || a.Zone() != "" {
+		return netip.Addr{}, false
+	}
+	return a.Unmap(), true
+}
+
+// validName says whether a namespace or service name is what the API allows (a
+// DNS label): render writes names into rule comments, and a quote or a newline
+// that passed validation nowhere would break the whole iptables-restore input.
+func validName(s string) bool { return len(validation.IsDNS1123Label(s)) == 0 }
+
+// validPortName: a port name is a DNS label, or empty for a single port.
+func validPortName(s string) bool { return s == "" || validName(s) }
+
+// usableEndpoint says whether a service can send traffic to a: not the
+// unspecified address, loopback, link-local or multicast (the Endpoints API
+// refuses these, and a DNAT to them reaches the node itself or nothing; to
+// 169.254.169.254 it would reach a cloud's metadata service).
+func usableEndpoint(a netip.Addr) bool {
+	return !a.IsUnspecified() && !a.IsLoopback() && !a.IsLinkLocalUnicast() && !a.IsMulticast() &&
+		a != netip.AddrFrom4([4]byte{255, 255, 255, 255})
+}
 
 // skip records one invalid part of an object: what, and why.
 type skip struct{ kind, reason, detail string }
@@ -32,14 +64,18 @@ func (c Converter) Service(s *corev1.Service) (*bus.Service, []skip) {
 	if s.Spec.Type == corev1.ServiceTypeExternalName || s.Spec.ClusterIP == corev1.ClusterIPNone || s.Spec.ClusterIP == "" {
 		return nil, nil
 	}
+	if !validName(s.Namespace) || !validName(s.Name) {
+		bad("invalid-name", fmt.Sprintf("name %q/%q", s.Namespace, s.Name))
+		return nil, skips
+	}
 	out := &bus.Service{ServiceKey: bus.ServiceKey{Namespace: s.Namespace, Name: s.Name}}
 	clusterIPs := s.Spec.ClusterIPs
 	if len(clusterIPs) == 0 {
 		clusterIPs = []string{s.Spec.ClusterIP}
 	}
 	for _, ip := range clusterIPs {
-		if a, err := netip.ParseAddr(ip); err == nil {
-			out.ClusterIPs = append(out.ClusterIPs, a.Unmap())
+		if a, ok := parseIP(ip); ok {
+			out.ClusterIPs = append(out.ClusterIPs, a)
 		} else {
 			bad("invalid-cluster-ip", fmt.Sprintf("clusterIP %q", ip))
 		}
@@ -48,8 +84,8 @@ func (c Converter) Service(s *corev1.Service) (*bus.Service, []skip) {
 		return nil, skips
 	}
 	for _, ip := range s.Spec.ExternalIPs {
-		if a, err := netip.ParseAddr(ip); err == nil {
-			out.ExternalIPs = append(out.ExternalIPs, a.Unmap())
+		if a, ok := parseIP(ip); ok {
+			out.ExternalIPs = append(out.ExternalIPs, a)
 		} else {
 			bad("invalid-external-ip", fmt.Sprintf("externalIP %q", ip))
 		}
@@ -59,8 +95,8 @@ func (c Converter) Service(s *corev1.Service) (*bus.Service, []skip) {
 			if ing.IP == "" || (ing.IPMode != nil && *ing.IPMode == corev1.LoadBalancerIPModeProxy) {
 				continue // a hostname, or a proxying load balancer that needs no VIP here
 			}
-			if a, err := netip.ParseAddr(ing.IP); err == nil {
-				out.LoadBalancerIPs = append(out.LoadBalancerIPs, a.Unmap())
+			if a, ok := parseIP(ing.IP); ok {
+				out.LoadBalancerIPs = append(out.LoadBalancerIPs, a)
 			} else {
 				bad("invalid-loadbalancer-ip", fmt.Sprintf("ingress IP %q", ing.IP))
 			}
@@ -79,13 +115,21 @@ func (c Converter) Service(s *corev1.Service) (*bus.Service, []skip) {
 	externally := s.Spec.Type == corev1.ServiceTypeNodePort || s.Spec.Type == corev1.ServiceTypeLoadBalancer || len(s.Spec.ExternalIPs) > 0
 	out.ExternalPolicyLocal = externally && s.Spec.ExternalTrafficPolicy == corev1.ServiceExternalTrafficPolicyLocal
 	out.InternalPolicyLocal = s.Spec.InternalTrafficPolicy != nil && *s.Spec.InternalTrafficPolicy == corev1.ServiceInternalTrafficPolicyLocal
-	if out.ExternalPolicyLocal && s.Spec.Type == corev1.ServiceTypeLoadBalancer {
-		out.HealthCheckNodePort = s.Spec.HealthCheckNodePort
+	if hc := s.Spec.HealthCheckNodePort; out.ExternalPolicyLocal && s.Spec.Type == corev1.ServiceTypeLoadBalancer {
+		if hc >= 0 && hc <= 65535 {
+			out.HealthCheckNodePort = hc
+		} else {
+			bad("invalid-health-check-node-port", fmt.Sprintf("healthCheckNodePort %d", hc))
+		}
 	}
 	if s.Spec.SessionAffinity == corev1.ServiceAffinityClientIP {
 		out.AffinitySeconds = defaultAffinitySeconds
 		if cfg := s.Spec.SessionAffinityConfig; cfg != nil && cfg.ClientIP != nil && cfg.ClientIP.TimeoutSeconds != nil {
-			out.AffinitySeconds = *cfg.ClientIP.TimeoutSeconds
+			if t := *cfg.ClientIP.TimeoutSeconds; t >= 1 && t <= maxAffinitySeconds {
+				out.AffinitySeconds = t
+			} else {
+				bad("invalid-affinity-timeout", fmt.Sprintf("sessionAffinityConfig timeout %d, using the default", t))
+			}
 		}
 	}
 	for _, p := range s.Spec.Ports {
@@ -93,6 +137,9 @@ func (c Converter) Service(s *corev1.Service) (*bus.Service, []skip) {
 		switch {
 		case !ok:
 			bad("invalid-protocol", fmt.Sprintf("port %q protocol %q", p.Name, p.Protocol))
+			continue
+		case !validPortName(p.Name):
+			bad("invalid-port-name", fmt.Sprintf("port %q", p.Name))
 			continue
 		case p.Port < 1 || p.Port > 65535:
 			bad("invalid-port", fmt.Sprintf("port %q number %d", p.Name, p.Port))
@@ -137,6 +184,10 @@ func (c Converter) Slice(s *discoveryv1.EndpointSlice) (*bus.EndpointSlice, []sk
 		bad("no-service-name", "label "+discoveryv1.LabelServiceName+" missing")
 		return nil, skips
 	}
+	if !validName(s.Namespace) || !validName(svcName) {
+		bad("invalid-name", fmt.Sprintf("service %q/%q", s.Namespace, svcName))
+		return nil, skips
+	}
 	out := &bus.EndpointSlice{Service: bus.ServiceKey{Namespace: s.Namespace, Name: svcName}, Name: s.Name, Family: family}
 	if v := s.Annotations[corev1.EndpointsLastChangeTriggerTime]; v != "" {
 		if t, err := time.Parse(time.RFC3339Nano, v); err == nil {
@@ -157,6 +208,10 @@ func (c Converter) Slice(s *discoveryv1.EndpointSlice) (*bus.EndpointSlice, []sk
 		if p.Name != nil {
 			name = *p.Name
 		}
+		if !validPortName(name) {
+			bad("invalid-port-name", fmt.Sprintf("port %q", name))
+			continue
+		}
 		out.Ports = append(out.Ports, bus.EndpointPort{Name: name, Protocol: bp, Port: *p.Port})
 	}
 	for _, e := range s.Endpoints {
@@ -164,14 +219,16 @@ func (c Converter) Slice(s *discoveryv1.EndpointSlice) (*bus.EndpointSlice, []sk
 			bad("no-address", "endpoint without addresses")
 			continue
 		}
-		a, err := netip.ParseAddr(e.Addresses[0])
-		if err != nil {
+		a, ok := parseIP(e.Addresses[0])
+		switch {
+		case !ok:
 			bad("invalid-address", fmt.Sprintf("address %q", e.Addresses[0]))
 			continue
-		}
-		a = a.Unmap()
-		if bus.FamilyOf(a) != family {
+		case bus.FamilyOf(a) != family:
 			bad("wrong-family", fmt.Sprintf("address %s in a %s slice", a, s.AddressType))
+			continue
+		case !usableEndpoint(a):
+			bad("special-address", fmt.Sprintf("address %s (unspecified, loopback, link-local or multicast)", a))
 			continue
 		}
 		// Unset conditions mean what the API says they mean (and kube-proxy reads):
@@ -230,8 +287,8 @@ func (c Converter) Node(n *corev1.Node) *bus.Node {
 			if a.Type != kind {
 				continue
 			}
-			if ip, err := netip.ParseAddr(a.Address); err == nil {
-				out.Addrs = append(out.Addrs, ip.Unmap())
+			if ip, ok := parseIP(a.Address); ok {
+				out.Addrs = append(out.Addrs, ip)
 			}
 		}
 	}
