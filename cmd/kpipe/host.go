@@ -7,6 +7,7 @@ import (
 
 	"github.com/kpipe/kpipe/bus"
 	nf "github.com/kpipe/kpipe/netfilter"
+	"github.com/kpipe/kpipe/stages/render"
 )
 
 // hostProbes are what the choice of IP families looks at; tests replace them.
@@ -48,6 +49,8 @@ type hostFacts struct {
 	conntrackLiberal bool
 	// noRandomFully: that family's iptables cannot do MASQUERADE --random-fully.
 	noRandomFully map[bus.Family]bool
+	// nfacct: which of kube-proxy's nfacct objects exist (the rules count in them).
+	nfacct render.NFAcctObjects
 }
 
 // prepareHost learns what render must know
@@ -62,5 +65,27 @@ func prepareHost(o *Options, log *slog.Logger) hostFacts {
 			log.Info("MASQUERADE without --random-fully: this iptables does not support it", "family", f)
 		}
 	}
+	facts.nfacct = ensureNFAcct(nf.NFAcct{}, log)
 	return facts
+}
+
+// nfacctCreator is what ensureNFAcct needs of netfilter.NFAcct; tests fake it.
+type nfacctCreator interface{ Ensure(name string) error }
+
+// ensureNFAcct creates kube-proxy's nfacct objects where missing, as kube-proxy
+// does, and says which exist. A rule counts in one only if it exists (iptables
+// refuses the rule otherwise); without it the rule is the same without counting,
+// and its metric is absent.
+func ensureNFAcct(a nfacctCreator, log *slog.Logger) render.NFAcctObjects {
+	exists := func(name string) bool {
+		if err := a.Ensure(name); err != nil {
+			log.Warn("No nfacct counter: the rule counts nothing and its metric is absent", "counter", name, "err", err)
+			return false
+		}
+		return true
+	}
+	return render.NFAcctObjects{
+		InvalidDropped:     exists(nf.NFAcctInvalidDropped),
+		LocalhostNodePorts: exists(nf.NFAcctLocalhostNodePorts),
+	}
 }

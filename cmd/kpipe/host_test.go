@@ -9,6 +9,8 @@ import (
 	"testing"
 
 	"github.com/kpipe/kpipe/bus"
+	nf "github.com/kpipe/kpipe/netfilter"
+	"github.com/kpipe/kpipe/stages/render"
 )
 
 // A host whose ip6tables fails when kpipe starts (a held lock, a slow module load)
@@ -65,5 +67,30 @@ func TestRenderConfigRandomFully(t *testing.T) {
 	}
 	if !o.renderConfig(bus.IPv6, host).NoRandomFully {
 		t.Error("IPv6 render config writes --random-fully that its iptables does not support")
+	}
+}
+
+// failingNFAcct fails to create the objects it names.
+type failingNFAcct map[string]bool
+
+func (f failingNFAcct) Ensure(name string) error {
+	if f[name] {
+		return errors.New("nfacct: operation not supported")
+	}
+	return nil
+}
+
+// An nfacct object kpipe cannot create is left out of the rules (they would be
+// refused); the other is counted in, in both families' render configs.
+func TestNFAcctObjectsReachRender(t *testing.T) {
+	o, err := parse(t, "--hostname-override", "n")
+	if err != nil {
+		t.Fatal(err)
+	}
+	host := hostFacts{nfacct: ensureNFAcct(failingNFAcct{nf.NFAcctLocalhostNodePorts: true}, slog.New(slog.DiscardHandler))}
+	for _, f := range []bus.Family{bus.IPv4, bus.IPv6} {
+		if got, want := o.renderConfig(f, host).NFAcct, (render.NFAcctObjects{InvalidDropped: true}); got != want {
+			t.Errorf("%v render config: nfacct objects %+v; want %+v", f, got, want)
+		}
 	}
 }

@@ -225,7 +225,7 @@ func (o *Options) renderConfig(f bus.Family, host hostFacts) render.Config {
 		BridgeInterface: o.PodBridgeInterface, InterfacePrefix: o.PodInterfaceprefix,
 		NodePortAddresses: ofFamily(o.nodePortCIDRs, f), NodePortPrimary: o.nodePortPrimary,
 		LocalhostNodePorts: f == bus.IPv4 && o.localhostNodePorts(), ConntrackLiberal: host.conntrackLiberal,
-		NoRandomFully: host.noRandomFully[f],
+		NoRandomFully: host.noRandomFully[f], NFAcct: host.nfacct,
 	}
 }
 

@@ -23,7 +23,8 @@ func prefix(s string) netip.Prefix { return netip.MustParsePrefix(s) }
 
 func baseConfig() Config {
 	return Config{Family: bus.IPv4, NodeName: testNode, MasqueradeBit: 14, DetectLocal: DetectClusterCIDR,
-		ClusterCIDRs: []netip.Prefix{prefix("10.244.0.0/16")}, LocalhostNodePorts: true}
+		ClusterCIDRs: []netip.Prefix{prefix("10.244.0.0/16")}, LocalhostNodePorts: true,
+		NFAcct: NFAcctObjects{InvalidDropped: true, LocalhostNodePorts: true}}
 }
 
 // svc makes a ClusterIP service with the given ports ("name/PROTO/port[/nodePort]").

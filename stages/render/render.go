@@ -43,6 +43,15 @@ type Config struct {
 	// NoRandomFully: the host's iptables cannot do MASQUERADE --random-fully
 	// (older than 1.6.2), so it is left out, as kube-proxy leaves it out.
 	NoRandomFully bool
+	// NFAcct says which of kube-proxy's nfacct objects exist: the rules count
+	// packets in those (-m nfacct), as kube-proxy's do, and leave the others out.
+	NFAcct NFAcctObjects
+}
+
+// NFAcctObjects says which nfacct objects (netfilter.NFAcct…) exist on the host.
+type NFAcctObjects struct {
+	InvalidDropped     bool // netfilter.NFAcctInvalidDropped
+	LocalhostNodePorts bool // netfilter.NFAcctLocalhostNodePorts
 }
 
 // LocalhostNodePortsActive says whether NodePorts on 127.0.0.1 are programmed.

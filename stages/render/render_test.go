@@ -107,6 +107,7 @@ func TestGolden(t *testing.T) {
 		{"no-localhost-nodeports", with(func(c *Config) { c.LocalhostNodePorts = false }), state(node(), nodePort, npEPs)},
 		{"conntrack-liberal", with(func(c *Config) { c.ConntrackLiberal = true }), state(node(), web, webEPs)},
 		{"masquerade-bit", with(func(c *Config) { c.MasqueradeBit = 5 }), state(node(), web, webEPs)},
+		{"no-nfacct", with(func(c *Config) { c.NFAcct = NFAcctObjects{} }), state(node(), nodePort, npEPs)},
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {

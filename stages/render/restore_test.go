@@ -9,6 +9,9 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/vishvananda/netns"
+
+	nf "github.com/kpipe/kpipe/netfilter"
 	"github.com/kpipe/kpipe/netfilter/netnstest"
 )
 
@@ -38,8 +41,7 @@ func TestGoldenPayloadsRestore(t *testing.T) {
 			if strings.Contains(f, "ipv6") {
 				tool = "ip6tables-restore"
 			}
-			// The jump targets from built-in chains live outside the payload: create
-			// the chains kpipe's commit stage would ensure first.
+			ensureNFAcct(t, ns)
 			cmd := exec.Command("ip", "netns", "exec", ns, tool, "-w", "5", "--noflush", "--counters")
 			cmd.Stdin = bytes.NewReader(payload)
 			if out, err := cmd.CombinedOutput(); err != nil {
@@ -52,6 +54,22 @@ func TestGoldenPayloadsRestore(t *testing.T) {
 				t.Fatalf("%s refused %s on top of itself: %v\n%s", tool, f, err, out)
 			}
 		})
+	}
+}
+
+// ensureNFAcct creates kube-proxy's nfacct objects in the named namespace, as
+// kpipe does at start: the rules that count in them need them.
+func ensureNFAcct(t *testing.T, ns string) {
+	t.Helper()
+	h, err := netns.GetFromName(ns)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer h.Close()
+	for _, name := range nf.NFAcctNames {
+		if err := (nf.NFAcct{NetNS: int(h)}).Ensure(name); err != nil {
+			t.Fatal(err)
+		}
 	}
 }
 

@@ -80,6 +80,15 @@ func join(parts ...[]string) []string {
 	return out
 }
 
+// countIn is the match that counts a rule's packets in the nfacct object name,
+// when it exists.
+func countIn(exists bool, name string) []string {
+	if !exists {
+		return nil
+	}
+	return []string{"-m", "nfacct", "--nfacct-name", name}
+}
+
 // writeFixedChains writes the chains every sync has, in kube-proxy's shape.
 func (r *renderer) writeFixedChains() {
 	for _, c := range []string{nf.ChainServices, nf.ChainNodePorts, nf.ChainPostrouting, nf.ChainMarkMasq} {
@@ -98,7 +107,8 @@ func (r *renderer) writeFixedChains() {
 	r.nat.add(nf.ChainMarkMasq, "-j", "MARK", "--or-mark", strings.Split(r.mark, "/")[0])
 
 	if !r.cfg.ConntrackLiberal {
-		r.filter.add(nf.ChainForward, "-m", "conntrack", "--ctstate", "INVALID", "-j", "DROP")
+		r.filter.rule(nf.ChainForward, []string{"-m", "conntrack", "--ctstate", "INVALID"},
+			countIn(r.cfg.NFAcct.InvalidDropped, nf.NFAcctInvalidDropped), []string{"-j", "DROP"})
 	}
 	r.filter.rule(nf.ChainForward, comment("kubernetes forwarding rules"), []string{"-m", "mark", "--mark", r.mark, "-j", "ACCEPT"})
 	r.filter.rule(nf.ChainForward, comment("kubernetes forwarding conntrack rule"), []string{"-m", "conntrack", "--ctstate", "RELATED,ESTABLISHED", "-j", "ACCEPT"})
@@ -298,6 +308,11 @@ func (r *renderer) writeNodePort(sp *servicePort, d decision) {
 	}
 	npPort := []string{"--dport", strconv.Itoa(int(np))}
 	if d.hasEndpoints {
+		if r.cfg.LocalhostNodePortsActive() && r.cfg.NFAcct.LocalhostNodePorts {
+			// Only counts: the rule after it would take the same packets to the same chain.
+			r.nat.rule(nf.ChainNodePorts, comment(sp.label), sp.proto, []string{"-d", "127.0.0.0/8"}, npPort,
+				countIn(true, nf.NFAcctLocalhostNodePorts), []string{"-j", sp.extChain})
+		}
 		r.nat.rule(nf.ChainNodePorts, comment(sp.label), sp.proto, npPort, []string{"-j", sp.extChain})
 	}
 	if !d.hasExternal {

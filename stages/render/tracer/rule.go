@@ -59,7 +59,7 @@ var negatable = map[string]bool{"-s": true, "-d": true, "-i": true, "-p": true, 
 
 // modules are the -m match modules kpipe writes.
 var modules = map[string]bool{"comment": true, "tcp": true, "udp": true, "sctp": true, "addrtype": true,
-	"statistic": true, "recent": true, "mark": true, "conntrack": true}
+	"statistic": true, "recent": true, "mark": true, "conntrack": true, "nfacct": true}
 
 var ctStates = map[string]bool{"NEW": true, "INVALID": true, "ESTABLISHED": true, "RELATED": true,
 	"UNTRACKED": true, "SNAT": true, "DNAT": true}
@@ -191,7 +191,7 @@ func (p *ruleParser) option(opt string) (m match, ok bool, err error) {
 		return m, false, err
 	}
 	switch opt {
-	case "--comment":
+	case "--comment", "--nfacct-name": // nfacct only counts
 		return m, false, nil
 	case "--dport":
 		port, err := strconv.Atoi(val)
@@ -267,7 +267,7 @@ var optionModule = map[string][]string{
 	"--mode": {"statistic"}, "--probability": {"statistic"},
 	"--name": {"recent"}, "--seconds": {"recent"}, "--reap": {"recent"},
 	"--rcheck": {"recent"}, "--update": {"recent"}, "--set": {"recent"},
-	"--mark": {"mark"}, "--ctstate": {"conntrack"},
+	"--mark": {"mark"}, "--ctstate": {"conntrack"}, "--nfacct-name": {"nfacct"},
 }
 
 func (p *ruleParser) inModule(opt string) error {
