@@ -1,6 +1,7 @@
 package metrics
 
 import (
+	"log/slog"
 	"slices"
 	"testing"
 
@@ -36,6 +37,8 @@ var upstream = []struct {
 	{"kubeproxy_sync_proxy_rules_no_local_endpoints_total", dto.MetricType_GAUGE, "Number of services with a Local traffic policy and no endpoints", []string{"traffic_policy", "ip_family"}, ""},
 	{"kubeproxy_conntrack_reconciler_sync_duration_seconds", dto.MetricType_HISTOGRAM, "ReconcileConntrackFlowsLatency latency in seconds", []string{"ip_family"}, "sync"},
 	{"kubeproxy_conntrack_reconciler_deleted_entries_total", dto.MetricType_COUNTER, "Cumulative conntrack flows deleted by conntrack reconciler", []string{"ip_family"}, ""},
+	{"kubeproxy_iptables_ct_state_invalid_dropped_packets_total", dto.MetricType_COUNTER, "packets dropped by iptables to work around conntrack problems", nil, ""},
+	{"kubeproxy_iptables_localhost_nodeports_accepted_packets_total", dto.MetricType_COUNTER, "Number of packets accepted on nodeports of loopback interface", nil, ""},
 }
 
 // upstreamBuckets are kube-proxy's bucket boundaries, written out rather than
@@ -58,6 +61,7 @@ func newTouched(t *testing.T) *prometheus.Registry {
 	t.Helper()
 	rec := recorder{reg: prometheus.NewRegistry()}
 	New(&rec)
+	rec.reg.MustRegister(NFAcct{Reader: fakeNFAcct{"a": 1, "b": 2}, InvalidDropped: "a", LocalhostNodePorts: "b", Log: slog.New(slog.DiscardHandler)})
 	for _, c := range rec.cs {
 		switch v := c.(type) {
 		case *prometheus.HistogramVec:

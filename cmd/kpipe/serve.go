@@ -62,6 +62,7 @@ func realDeps(o *Options, log *slog.Logger) (deps, error) {
 	}
 	d.registry.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	d.metrics = metrics.New(d.registry)
+	d.registry.MustRegister(metrics.NFAcct{Reader: nf.NFAcct{}, InvalidDropped: nf.NFAcctInvalidDropped, LocalhostNodePorts: nf.NFAcctLocalhostNodePorts, Log: log})
 	return d.reconfigured(o, log)
 }
 
