@@ -7,6 +7,7 @@ import (
 	"math/rand/v2"
 	"os"
 	"path"
+	"path/filepath"
 	"slices"
 	"strings"
 	"sync"
@@ -109,7 +110,7 @@ func TestSoak(t *testing.T) {
 		t.Fatalf("warm-up changes: %v", err)
 	}
 	requireLikeFresh(t, "before the soak", 30*time.Second)
-	before := measureResources(t)
+	before := measureResources(t, "before")
 
 	ctx, stop := context.WithCancel(e.ctx)
 	churn := startChurn(ctx, e, churned)
@@ -140,7 +141,7 @@ func TestSoak(t *testing.T) {
 		}
 		t.Logf("%s: %d connections, %d failed", targets[i].name, ok+len(failures), len(failures))
 	}
-	after := measureResources(t)
+	after := measureResources(t, "after")
 
 	t.Logf("soak: %v, %d kills (%d kill events, %d stages, %d escalation of %s's supervisor)",
 		soakTime, k.kills, k.events, len(k.stages), k.escalations, escalating)
@@ -175,19 +176,32 @@ type resources struct {
 	heapMiB    float64
 }
 
-// measureResources reads kpipe's goroutines and its heap after a GC (forced
-// through pprof), the least of five readings each: the loops' requests come
-// and go.
-func measureResources(t *testing.T) resources {
+// measureResources reads kpipe's goroutines (go_goroutines) and its live heap:
+// HeapAlloc right after a forced GC, from the text heap profile (a /metrics
+// reading would count the gzip writer serving it, about 1 MiB). The least of
+// five readings each: the loops' requests come and go. With
+// KPIPE_SOAK_PROFILES=dir it also saves the heap profile as dir/name.heap.pb.gz
+// (go tool pprof -base).
+func measureResources(t *testing.T, name string) resources {
 	t.Helper()
 	r := resources{goroutines: 1 << 30, heapMiB: 1 << 30}
 	for range 5 {
-		if code, body, err := tb.HTTPGet(tb.NodeNS, testbed.MetricsURL+"/debug/pprof/heap?gc=1"); err != nil || code != 200 {
-			t.Fatalf("force a GC: HTTP %d %v %s", code, err, body)
+		code, body, err := tb.HTTPGet(tb.NodeNS, testbed.MetricsURL+"/debug/pprof/heap?gc=1&debug=1")
+		if err != nil || code != 200 {
+			t.Fatalf("heap profile: HTTP %d %v %s", code, err, body)
 		}
-		heap := metricSum(t, "go_memstats_heap_alloc_bytes", nil) / (1 << 20)
+		_, after, ok := strings.Cut(string(body), "# HeapAlloc = ")
+		var heap float64
+		if _, err := fmt.Sscan(after, &heap); !ok || err != nil {
+			t.Fatalf("no HeapAlloc in the heap profile: %v", err)
+		}
+		if dir := os.Getenv("KPIPE_SOAK_PROFILES"); dir != "" {
+			if _, prof, err := tb.HTTPGet(tb.NodeNS, testbed.MetricsURL+"/debug/pprof/heap"); err == nil {
+				_ = os.WriteFile(filepath.Join(dir, name+".heap.pb.gz"), prof, 0o644)
+			}
+		}
 		g := int(metricSum(t, "go_goroutines", nil))
-		r.goroutines, r.heapMiB = min(r.goroutines, g), min(r.heapMiB, heap)
+		r.goroutines, r.heapMiB = min(r.goroutines, g), min(r.heapMiB, heap/(1<<20))
 		time.Sleep(200 * time.Millisecond)
 	}
 	return r
