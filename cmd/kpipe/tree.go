@@ -81,7 +81,7 @@ func buildTree(o *Options, d deps) *supervise.Supervisor {
 		board = bus.NewBoard()
 	}
 	envs := bus.Envs{Log: d.log, Metrics: d.metrics, Board: board}
-	changes, replay := make(chan bus.Change, 1024), bus.NewReplayFlag()
+	changes, replay := bus.NewChangeQueue(), bus.NewReplayFlag()
 	checks := bus.NewMergingMailbox(bus.MergeHealthCheckUpdates)
 	resync := map[bus.Family]*bus.ResyncFlag{}
 	repairs := map[bus.Family]*bus.Mailbox[bus.Repair]{}
