@@ -182,7 +182,7 @@ func measureResources(t *testing.T) resources {
 	t.Helper()
 	r := resources{goroutines: 1 << 30, heapMiB: 1 << 30}
 	for range 5 {
-		if code, body, err := tb.HTTPGet(tb.NodeNS, testbed.MetricsURL+"/debug/pprof/heap?gc=1"); err != nil || code != 200 {
+		if code, body, err := tb.HTTPGet(tb.NodeNS, testbed.DebugURL+"/debug/pprof/heap?gc=1"); err != nil || code != 200 {
 			t.Fatalf("force a GC: HTTP %d %v %s", code, err, body)
 		}
 		heap := metricSum(t, "go_memstats_heap_alloc_bytes", nil) / (1 << 20)
@@ -446,7 +446,7 @@ func killStagesRetrying(t *testing.T, set []string) []string {
 	var killed []string
 	for _, name := range set {
 		err := testbed.Poll(10*time.Second, 50*time.Millisecond, func() error {
-			code, body, err := tb.HTTPPost(tb.NodeNS, testbed.MetricsURL+"/debug/stages/"+name+"/kill")
+			code, body, err := tb.HTTPPost(tb.NodeNS, testbed.DebugURL+"/debug/stages/"+name+"/kill")
 			switch {
 			case err != nil:
 				return err
