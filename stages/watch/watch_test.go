@@ -354,7 +354,18 @@ func TestStageSendsChanges(t *testing.T) {
 
 func TestStageInvalidServiceIsCountedAndDoesNotStopOthers(t *testing.T) {
 	ctx := context.Background()
-	h := startStage(t, node("node-1"))
+	// What watch sends, before the queue folds an object's changes into its latest.
+	var mu sync.Mutex
+	var zones []string
+	h := startStageWith(t, func(s *Stage) {
+		s.beforeSend = func(c bus.Change) {
+			if c.Kind == bus.NodeChanged {
+				mu.Lock()
+				defer mu.Unlock()
+				zones = append(zones, c.Node.Zone)
+			}
+		}
+	}, node("node-1"))
 	h.nextReplay()
 	h.waitWatches()
 	svcs := h.client.CoreV1().Services("ns")
@@ -424,7 +435,18 @@ func TestStageReplaysOnRequest(t *testing.T) {
 // change nothing kpipe uses and must not become NodeChanged events.
 func TestStageNodeChangedOnlyWhenUsedFieldsChange(t *testing.T) {
 	ctx := context.Background()
-	h := startStage(t, node("node-1"))
+	// What watch sends, before the queue folds an object's changes into its latest.
+	var mu sync.Mutex
+	var zones []string
+	h := startStageWith(t, func(s *Stage) {
+		s.beforeSend = func(c bus.Change) {
+			if c.Kind == bus.NodeChanged {
+				mu.Lock()
+				defer mu.Unlock()
+				zones = append(zones, c.Node.Zone)
+			}
+		}
+	}, node("node-1"))
 	h.nextReplay()
 	h.waitWatches()
 	nodes := h.client.CoreV1().Nodes()
@@ -448,16 +470,12 @@ func TestStageNodeChangedOnlyWhenUsedFieldsChange(t *testing.T) {
 	heartbeat("zone-b")
 	heartbeat("zone-b")
 	heartbeat("zone-c")
-	var zones []string
-	h.next("node in zone-c", func(c bus.Change) bool {
-		if c.Kind != bus.NodeChanged {
-			return false
-		}
-		zones = append(zones, c.Node.Zone)
-		return c.Node.Zone == "zone-c"
-	})
-	if !slices.Equal(zones, []string{"zone-b", "zone-c"}) {
-		t.Errorf("NodeChanged zones = %v; want [zone-b zone-c]: one per real change", zones)
+	h.next("node in zone-c", func(c bus.Change) bool { return c.Kind == bus.NodeChanged && c.Node.Zone == "zone-c" })
+	mu.Lock()
+	sent := slices.Clone(zones)
+	mu.Unlock()
+	if !slices.Equal(sent, []string{"zone-b", "zone-c"}) {
+		t.Errorf("NodeChanged zones = %v; want [zone-b zone-c]: one per real change", sent)
 	}
 
 	// A replay still carries the node.
