@@ -15,6 +15,7 @@ require (
 	github.com/ti-mo/netfilter v0.5.3
 	github.com/vishvananda/netlink v1.3.1
 	github.com/vishvananda/netns v0.0.5
+	go.uber.org/goleak v1.3.0
 	golang.org/x/term v0.45.0
 	k8s.io/api v0.34.4
 	k8s.io/apimachinery v0.34.4

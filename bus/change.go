@@ -1,10 +1,14 @@
 package bus
 
-import "net/netip"
+import (
+	"net/netip"
+	"time"
+)
 
-// Change is one event from watch to coalesce. Exactly one field group is set:
-// Service (Key, Service: nil means deleted), Slice (Key, SliceName, Slice: nil means
-// deleted), Node, or Replay (the full current state, which replaces what coalesce holds).
+// Change is one event from watch to coalesce (through a ChangeQueue). Exactly one
+// field group is set: Service (Key, Service: nil means deleted), Slice (Key,
+// SliceName, Slice: nil means deleted; EarlierTrigger), Node, Addrs, or Replay (the
+// full current state, which replaces what coalesce holds).
 type Change struct {
 	Kind      ChangeKind
 	Key       ServiceKey
@@ -14,6 +18,9 @@ type Change struct {
 	Node      *Node
 	Replay    *State
 	Addrs     []netip.Addr // LocalAddrsChanged: every address on this host's interfaces
+	// EarlierTrigger is the earliest EndpointSlice trigger time of the changes to
+	// this slice this one replaced in the queue (zero: none).
+	EarlierTrigger time.Time
 }
 
 // ChangeKind says what a Change carries.

@@ -16,7 +16,9 @@ import (
 	"time"
 
 	appsv1 "k8s.io/api/apps/v1"
+	authorizationv1 "k8s.io/api/authorization/v1"
 	corev1 "k8s.io/api/core/v1"
+	eventsv1 "k8s.io/api/events/v1"
 	rbacv1 "k8s.io/api/rbac/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -438,9 +440,11 @@ func TestDeployKustomization(t *testing.T) {
 }
 
 // TestDeployRBAC: with deploy/'s ClusterRole and binding stored (and nothing
-// else granting it anything), the kube-proxy ServiceAccount can list and
-// watch what kpipe's informers watch and record events, and cannot read
-// secrets: kpipe's role is enough, and no more.
+// else granting it anything), the kube-proxy ServiceAccount (a client
+// impersonating it) can list and watch what kpipe's informers watch and record
+// events.k8s.io events, and is refused everything in kpipeNeverDoes (its own
+// SelfSubjectAccessReviews) and a real secrets list: kpipe's role is enough,
+// and no more.
 func TestDeployRBAC(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	defer cancel()
@@ -479,13 +483,14 @@ func TestDeployRBAC(t *testing.T) {
 			return watchOnce(sa.DiscoveryV1().EndpointSlices("").Watch(ctx, metav1.ListOptions{}))
 		},
 		"watch nodes": func() error { return watchOnce(sa.CoreV1().Nodes().Watch(ctx, metav1.ListOptions{})) },
-		"create events": func() error {
-			ev := &corev1.Event{
-				ObjectMeta:     metav1.ObjectMeta{GenerateName: "kpipe-", Namespace: metav1.NamespaceDefault},
-				InvolvedObject: corev1.ObjectReference{Kind: "Node", Name: testbedNodeName(ctx, t)},
-				Reason:         "Test", Message: "TestDeployRBAC", Type: corev1.EventTypeNormal,
+		"create events.k8s.io events": func() error {
+			ev := &eventsv1.Event{
+				ObjectMeta: metav1.ObjectMeta{GenerateName: "kpipe-", Namespace: metav1.NamespaceDefault},
+				EventTime:  metav1.NowMicro(), ReportingController: "kube-proxy", ReportingInstance: "kube-proxy-test",
+				Action: "StartKubeProxy", Regarding: corev1.ObjectReference{Kind: "Node", Name: testbedNodeName(ctx, t)},
+				Reason: "Test", Note: "TestDeployRBAC", Type: corev1.EventTypeNormal,
 			}
-			_, err := sa.CoreV1().Events(metav1.NamespaceDefault).Create(ctx, ev,
+			_, err := sa.EventsV1().Events(metav1.NamespaceDefault).Create(ctx, ev,
 				metav1.CreateOptions{DryRun: []string{metav1.DryRunAll}})
 			return err
 		},
@@ -505,11 +510,21 @@ func TestDeployRBAC(t *testing.T) {
 			time.Sleep(200 * time.Millisecond)
 		}
 	}
+	for _, c := range kpipeNeeds {
+		if !selfAllowed(ctx, t, sa, c) {
+			t.Errorf("kube-system:kube-proxy is refused %v, which kpipe does", c)
+		}
+	}
 	// Not granted, every time.
-	for range 5 {
+	for range 3 {
 		_, err := sa.CoreV1().Secrets(metav1.NamespaceSystem).List(ctx, list)
 		if !apierrors.IsForbidden(err) {
 			t.Fatalf("list secrets as kube-system:kube-proxy: %v, want Forbidden", err)
+		}
+		for _, c := range kpipeNeverDoes {
+			if selfAllowed(ctx, t, sa, c) {
+				t.Errorf("kube-system:kube-proxy is allowed %v, which kpipe never does", c)
+			}
 		}
 		time.Sleep(100 * time.Millisecond)
 	}
@@ -530,4 +545,74 @@ func testbedNodeName(ctx context.Context, t *testing.T) string {
 		t.Fatal(err)
 	}
 	return n.Name
+}
+
+// rbacCheck is one request kpipe's ServiceAccount makes, or must not be able to.
+type rbacCheck struct{ verb, group, resource string }
+
+// kpipeNeeds is every request kpipe's code makes to the apiserver: the
+// informers of stages/watch, and stages/events' events.k8s.io broadcaster
+// (create; patch for a series).
+var kpipeNeeds = []rbacCheck{
+	{"list", "", "services"}, {"watch", "", "services"},
+	{"list", "discovery.k8s.io", "endpointslices"}, {"watch", "discovery.k8s.io", "endpointslices"},
+	{"list", "", "nodes"}, {"watch", "", "nodes"},
+	{"create", "events.k8s.io", "events"}, {"patch", "events.k8s.io", "events"},
+}
+
+// TestDeployRBACRulesAreKpipesNeeds: deploy/rbac.yaml's ClusterRole, expanded,
+// grants exactly kpipeNeeds: nothing more.
+func TestDeployRBACRulesAreKpipesNeeds(t *testing.T) {
+	var role *rbacv1.ClusterRole
+	for _, o := range loadDeployObjects(t) {
+		if r, ok := o.obj.(*rbacv1.ClusterRole); ok {
+			role = r
+		}
+	}
+	if role == nil {
+		t.Fatal("deploy/ has no ClusterRole")
+	}
+	var granted []rbacCheck
+	for _, r := range role.Rules {
+		for _, g := range r.APIGroups {
+			for _, res := range r.Resources {
+				for _, v := range r.Verbs {
+					granted = append(granted, rbacCheck{v, g, res})
+				}
+			}
+		}
+		if len(r.ResourceNames) > 0 || len(r.NonResourceURLs) > 0 {
+			t.Errorf("rule %+v: kpipe needs no resourceNames or non-resource URLs", r)
+		}
+	}
+	less := func(a, b rbacCheck) int { return strings.Compare(fmt.Sprint(a), fmt.Sprint(b)) }
+	want := slices.Clone(kpipeNeeds)
+	slices.SortFunc(want, less)
+	slices.SortFunc(granted, less)
+	if !slices.Equal(granted, want) {
+		t.Errorf("ClusterRole %s grants %v; want exactly %v", role.Name, granted, want)
+	}
+}
+
+// kpipeNeverDoes are requests kpipe's account must be refused.
+var kpipeNeverDoes = []rbacCheck{
+	{"list", "", "secrets"}, {"get", "", "secrets"}, {"get", "", "configmaps"}, {"list", "", "pods"},
+	{"update", "", "services"}, {"create", "", "services"}, {"delete", "", "services"}, {"patch", "", "services"},
+	{"update", "discovery.k8s.io", "endpointslices"}, {"create", "discovery.k8s.io", "endpointslices"},
+	{"patch", "", "nodes"}, {"update", "", "nodes"}, {"delete", "", "nodes"},
+	{"create", "", "events"}, {"update", "events.k8s.io", "events"}, {"delete", "events.k8s.io", "events"},
+	{"list", "events.k8s.io", "events"},
+}
+
+// selfAllowed asks the apiserver whether the client's own user may do c.
+func selfAllowed(ctx context.Context, t *testing.T, cs kubernetes.Interface, c rbacCheck) bool {
+	t.Helper()
+	r := &authorizationv1.SelfSubjectAccessReview{Spec: authorizationv1.SelfSubjectAccessReviewSpec{
+		ResourceAttributes: &authorizationv1.ResourceAttributes{Verb: c.verb, Group: c.group, Resource: c.resource,
+			Namespace: metav1.NamespaceDefault}}}
+	got, err := cs.AuthorizationV1().SelfSubjectAccessReviews().Create(ctx, r, metav1.CreateOptions{})
+	if err != nil {
+		t.Fatalf("SelfSubjectAccessReview %v: %v", c, err)
+	}
+	return got.Status.Allowed
 }

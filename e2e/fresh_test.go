@@ -129,7 +129,7 @@ func killStages(t *testing.T, names []string) int {
 	results := make(chan result, len(names))
 	for _, name := range names {
 		go func() {
-			code, body, err := tb.HTTPPost(tb.NodeNS, testbed.MetricsURL+"/debug/stages/"+name+"/kill")
+			code, body, err := tb.HTTPPost(tb.NodeNS, testbed.DebugURL+"/debug/stages/"+name+"/kill")
 			results <- result{name, code, string(body), err}
 		}()
 	}

@@ -239,7 +239,7 @@ type stageStatus struct {
 }
 
 func getStages() ([]stageStatus, error) {
-	code, body, err := tb.HTTPGet(tb.NodeNS, testbed.MetricsURL+"/debug/stages")
+	code, body, err := tb.HTTPGet(tb.NodeNS, testbed.DebugURL+"/debug/stages")
 	if err != nil {
 		return nil, err
 	}

@@ -52,7 +52,7 @@ func TestKillEachStageLosesNoConnection(t *testing.T) {
 			}
 		}
 		// Killing the stage that serves HTTP may cut this very response.
-		code, body, err := tb.HTTPPost(tb.NodeNS, testbed.MetricsURL+"/debug/stages/"+name+"/kill")
+		code, body, err := tb.HTTPPost(tb.NodeNS, testbed.DebugURL+"/debug/stages/"+name+"/kill")
 		if err == nil && code/100 != 2 {
 			t.Errorf("POST /debug/stages/%s/kill: HTTP %d: %s", name, code, body)
 		}

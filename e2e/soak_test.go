@@ -186,7 +186,7 @@ func measureResources(t *testing.T, name string) resources {
 	t.Helper()
 	r := resources{goroutines: 1 << 30, heapMiB: 1 << 30}
 	for range 5 {
-		code, body, err := tb.HTTPGet(tb.NodeNS, testbed.MetricsURL+"/debug/pprof/heap?gc=1&debug=1")
+		code, body, err := tb.HTTPGet(tb.NodeNS, testbed.DebugURL+"/debug/pprof/heap?gc=1&debug=1")
 		if err != nil || code != 200 {
 			t.Fatalf("heap profile: HTTP %d %v %s", code, err, body)
 		}
@@ -196,7 +196,7 @@ func measureResources(t *testing.T, name string) resources {
 			t.Fatalf("no HeapAlloc in the heap profile: %v", err)
 		}
 		if dir := os.Getenv("KPIPE_SOAK_PROFILES"); dir != "" {
-			if _, prof, err := tb.HTTPGet(tb.NodeNS, testbed.MetricsURL+"/debug/pprof/heap"); err == nil {
+			if _, prof, err := tb.HTTPGet(tb.NodeNS, testbed.DebugURL+"/debug/pprof/heap"); err == nil {
 				_ = os.WriteFile(filepath.Join(dir, name+".heap.pb.gz"), prof, 0o644)
 			}
 		}
@@ -460,7 +460,7 @@ func killStagesRetrying(t *testing.T, set []string) []string {
 	var killed []string
 	for _, name := range set {
 		err := testbed.Poll(10*time.Second, 50*time.Millisecond, func() error {
-			code, body, err := tb.HTTPPost(tb.NodeNS, testbed.MetricsURL+"/debug/stages/"+name+"/kill")
+			code, body, err := tb.HTTPPost(tb.NodeNS, testbed.DebugURL+"/debug/stages/"+name+"/kill")
 			switch {
 			case err != nil:
 				return err

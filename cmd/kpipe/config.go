@@ -139,9 +139,7 @@ func (o *Options) applyConfig(c *kubeproxy.KubeProxyConfiguration, fs *pflag.Fla
 	set("bind-address-hard-fail", func() { o.BindAddressHardFail = c.BindAddressHardFail })
 	set("healthz-bind-address", func() { o.HealthzBindAddress = c.HealthzBindAddress })
 	set("metrics-bind-address", func() { o.MetricsBindAddress = c.MetricsBindAddress })
-	if !fs.Changed("enable-debug-handlers") && !fs.Changed("profiling") {
-		o.EnableDebugHandlers = c.EnableProfiling
-	}
+	set("profiling", func() { o.EnableProfiling = c.EnableProfiling })
 	set("cluster-cidr", func() { o.ClusterCIDR = c.ClusterCIDR })
 	set("nodeport-addresses", func() { o.NodePortAddresses = c.NodePortAddresses })
 	set("proxy-mode", func() { o.ProxyMode = cmp.Or(string(c.Mode), "iptables") })
@@ -223,7 +221,7 @@ func (o *Options) effectiveConfig() *kubeproxy.KubeProxyConfiguration {
 	c.HostnameOverride = o.HostnameOverride
 	c.BindAddress, c.BindAddressHardFail = o.BindAddress, o.BindAddressHardFail
 	c.HealthzBindAddress, c.MetricsBindAddress = o.HealthzBindAddress, o.MetricsBindAddress
-	c.EnableProfiling = o.EnableDebugHandlers
+	c.EnableProfiling = o.EnableProfiling
 	c.Mode = kubeproxy.ProxyMode(o.ProxyMode)
 	c.DetectLocalMode = kubeproxy.LocalMode(o.DetectLocalMode)
 	c.DetectLocal.BridgeInterface, c.DetectLocal.InterfaceNamePrefix = o.PodBridgeInterface, o.PodInterfaceprefix

@@ -111,6 +111,7 @@ func TestConfigKubeadmFileGetsKubeProxyDefaults(t *testing.T) {
 		"LogLevel":            "info",
 		"LogFormat":           "text",
 		"EnableDebugHandlers": false,
+		"EnableProfiling":     false,
 	}
 	checkOptions(t, o, want)
 	if len(o.NodePortAddresses) != 0 {
@@ -151,7 +152,7 @@ func TestConfigFieldsMapOntoOptions(t *testing.T) {
 	checkOptions(t, o, map[string]any{
 		"Kubeconfig": "/k.conf", "KubeAPIQPS": float32(50), "KubeAPIBurst": 100, "KubeAPIContentType": "application/json",
 		"HostnameOverride": "from-file", "HealthzBindAddress": "127.0.0.1:10256", "MetricsBindAddress": "0.0.0.0:9999",
-		"EnableDebugHandlers": true, "DetectLocalMode": render.DetectInterfacePrefix, "PodInterfaceprefix": "veth",
+		"EnableProfiling": true, "EnableDebugHandlers": false, "DetectLocalMode": render.DetectInterfacePrefix, "PodInterfaceprefix": "veth",
 		"NodePortAddresses": []string{"primary"}, "LocalhostNodePorts": false, "MasqueradeAll": true, "MasqueradeBit": 12,
 		"MinSyncPeriod": 2 * time.Second, "SyncPeriod": time.Minute, "LogLevel": "debug",
 	})
@@ -257,7 +258,7 @@ func TestKubeProxyCommandLineIsAccepted(t *testing.T) {
 		t.Fatalf("exit %d: %s", code, stderr)
 	}
 	checkOptions(t, o, map[string]any{"HostnameOverride": "node-a", "Kubeconfig": "/kc", "KubeAPIQPS": float32(20), "KubeAPIBurst": 40,
-		"KubeAPIContentType": "application/json", "EnableDebugHandlers": true, "LogLevel": "info", "Master": "https://10.0.0.1:6443",
+		"KubeAPIContentType": "application/json", "EnableProfiling": true, "EnableDebugHandlers": false, "LogLevel": "info", "Master": "https://10.0.0.1:6443",
 		"FeatureGates": map[string]bool{"AllAlpha": false, "SomeGate": true}})
 	wantIgnored := []string{"ipvs-exclude-cidrs", "ipvs-scheduler", "ipvs-strict-arp", "ipvs-sync-period"}
 	if !reflect.DeepEqual(o.ignoredGiven, wantIgnored) {

@@ -29,7 +29,7 @@ func (o *Options) addKubeProxyFlags(fs *pflag.FlagSet) {
 	fs.Float32Var(&o.KubeAPIQPS, "kube-api-qps", o.KubeAPIQPS, "Queries per second to the apiserver.")
 	fs.IntVar(&o.KubeAPIBurst, "kube-api-burst", o.KubeAPIBurst, "Burst of queries to the apiserver.")
 	fs.StringVar(&o.KubeAPIContentType, "kube-api-content-type", o.KubeAPIContentType, "Content type of requests to the apiserver.")
-	fs.BoolVar(&o.EnableDebugHandlers, "profiling", o.EnableDebugHandlers, "kube-proxy's name for --enable-debug-handlers (pprof, and /debug/stages, on the metrics address).")
+	fs.BoolVar(&o.EnableProfiling, "profiling", o.EnableProfiling, "Serve pprof on the metrics address, as kube-proxy does (never /debug/stages: see --enable-debug-handlers).")
 	fs.Var(cliflag.NewMapStringBool(&o.FeatureGates), "feature-gates", "kube-proxy feature gates: accepted, and ignored (none changes the iptables mode kpipe implements).")
 	fs.IntVarP(&o.Verbosity, "v", "v", o.Verbosity, "kube-proxy's log verbosity: 0-3 is --log-level=info, 4 and more is debug (unless --log-level is given).")
 	fs.StringVar(&o.LogFormat, "logging-format", o.LogFormat, "kube-proxy's name for --log-format.")

@@ -3,8 +3,10 @@ package main
 import (
 	"errors"
 	"fmt"
+	"net"
 	"net/netip"
 	"os"
+	"strconv"
 	"strings"
 	"time"
 
@@ -23,7 +25,9 @@ type Options struct {
 	ProxyMode           string        `json:"mode"`
 	HealthzBindAddress  string        `json:"healthzBindAddress"`
 	MetricsBindAddress  string        `json:"metricsBindAddress"`
-	EnableDebugHandlers bool          `json:"enableProfiling"`
+	EnableProfiling     bool          `json:"enableProfiling"`
+	EnableDebugHandlers bool          `json:"enableDebugHandlers"`
+	DebugBindAddress    string        `json:"debugBindAddress"`
 	SyncPeriod          time.Duration `json:"syncPeriod"`
 	MinSyncPeriod       time.Duration `json:"minSyncPeriod"`
 	CanaryInterval      time.Duration `json:"canaryInterval"`
@@ -65,6 +69,7 @@ func defaultOptions() *Options {
 		ProxyMode:          "iptables",
 		HealthzBindAddress: "0.0.0.0:10256",
 		MetricsBindAddress: "127.0.0.1:10249",
+		DebugBindAddress:   net.JoinHostPort("127.0.0.1", strconv.Itoa(debugPort)),
 		SyncPeriod:         30 * time.Second,
 		MinSyncPeriod:      time.Second,
 		MasqueradeBit:      14,
@@ -101,7 +106,8 @@ func (o *Options) addFlags(fs *pflag.FlagSet) {
 	fs.StringVar(&o.ProxyMode, "proxy-mode", o.ProxyMode, "Which proxy mode to use; kpipe implements 'iptables'.")
 	fs.StringVar(&o.HealthzBindAddress, "healthz-bind-address", o.HealthzBindAddress, "The IP:port for the health check server; empty disables it.")
 	fs.StringVar(&o.MetricsBindAddress, "metrics-bind-address", o.MetricsBindAddress, "The IP:port for the metrics server; empty disables it.")
-	fs.BoolVar(&o.EnableDebugHandlers, "enable-debug-handlers", o.EnableDebugHandlers, "Serve pprof and /debug/stages on the metrics address.")
+	fs.BoolVar(&o.EnableDebugHandlers, "enable-debug-handlers", o.EnableDebugHandlers, "Serve pprof and /debug/stages (which can kill a stage) on --debug-bind-address.")
+	fs.StringVar(&o.DebugBindAddress, "debug-bind-address", o.DebugBindAddress, "The IP:port for the debug handlers (with --enable-debug-handlers; a bare IP gets port 10247). Loopback unless given; anyone who reaches it can kill stages.")
 	fs.DurationVar(&o.SyncPeriod, "iptables-sync-period", o.SyncPeriod, "How often re-synchronizing and cleanup runs (the canary check, the health timeout is twice this).")
 	fs.DurationVar(&o.MinSyncPeriod, "iptables-min-sync-period", o.MinSyncPeriod, "The shortest time between syncs of the rules after the first two in a burst.")
 	fs.DurationVar(&o.CanaryInterval, "canary-interval", o.CanaryInterval, "How often to check the canary chains (default: the sync period).")
@@ -203,6 +209,7 @@ func (o *Options) complete() error {
 	}
 	o.HealthzBindAddress = withDefaultPort(o.HealthzBindAddress, healthzPort)
 	o.MetricsBindAddress = withDefaultPort(o.MetricsBindAddress, metricsPort)
+	o.DebugBindAddress = withDefaultPort(o.DebugBindAddress, debugPort)
 	if o.KubeAPIQPS < 0 || o.KubeAPIBurst < 0 {
 		return usagef("--kube-api-qps and --kube-api-burst must not be negative")
 	}
@@ -215,6 +222,19 @@ func (o *Options) complete() error {
 	}
 	o.HostnameOverride = strings.ToLower(strings.TrimSpace(o.HostnameOverride))
 	return nil
+}
+
+// debugPort is the debug listener's port: next to kube-proxy's 10249 and the
+// kubelet's 10248, and used by no Kubernetes component.
+const debugPort = 10247
+
+// debugAddr is where the debug handlers listen: nowhere ("") without
+// --enable-debug-handlers, whatever --debug-bind-address says.
+func (o *Options) debugAddr() string {
+	if !o.EnableDebugHandlers {
+		return ""
+	}
+	return o.DebugBindAddress
 }
 
 // renderConfig is render's configuration for one family on a host with facts.

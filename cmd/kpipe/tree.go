@@ -81,7 +81,7 @@ func buildTree(o *Options, d deps) *supervise.Supervisor {
 		board = bus.NewBoard()
 	}
 	envs := bus.Envs{Log: d.log, Metrics: d.metrics, Board: board}
-	changes, replay := make(chan bus.Change, 1024), bus.NewReplayFlag()
+	changes, replay := bus.NewChangeQueue(), bus.NewReplayFlag()
 	checks := bus.NewMergingMailbox(bus.MergeHealthCheckUpdates)
 	resync := map[bus.Family]*bus.ResyncFlag{}
 	repairs := map[bus.Family]*bus.Mailbox[bus.Repair]{}
@@ -116,7 +116,8 @@ func buildTree(o *Options, d deps) *supervise.Supervisor {
 		stagesHandler = http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) { supervise.Handler(root).ServeHTTP(w, r) })
 	}
 	r.health = health.New(health.Params{Config: health.Config{
-		HealthzAddr: o.HealthzBindAddress, MetricsAddr: o.MetricsBindAddress, BindHardFail: o.BindAddressHardFail, EnableDebug: o.EnableDebugHandlers,
+		HealthzAddr: o.HealthzBindAddress, MetricsAddr: o.MetricsBindAddress, BindHardFail: o.BindAddressHardFail,
+		Profiling: o.EnableProfiling, DebugAddr: o.debugAddr(),
 		SyncPeriod: o.SyncPeriod, NodeName: o.HostnameOverride, Families: d.families(), Configz: o.configz(), SideStages: r.sideStages(),
 	}, Board: board, Gatherer: d.registry, Checks: checks, Stages: stagesHandler, Env: envs.For(bus.Health)}).Run
 

@@ -10,10 +10,13 @@ import (
 	"time"
 )
 
-// kpipe's HTTP addresses inside the node namespace.
+// kpipe's HTTP addresses inside the node namespace. The debug handlers (pprof,
+// /debug/stages and the kill endpoint) are on their own listener, kpipe's default
+// --debug-bind-address.
 const (
 	MetricsURL = "http://127.0.0.1:10249"
 	HealthzURL = "http://127.0.0.1:10256"
+	DebugURL   = "http://127.0.0.1:10247"
 )
 
 // Kpipe is the kpipe process under test, running inside the node namespace.

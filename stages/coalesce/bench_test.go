@@ -17,7 +17,7 @@ import (
 // wait for their first commit (a first sync at 10k services): it must not grow
 // with the number of pending services.
 func BenchmarkEventWhileManyPending(b *testing.B) {
-	in := make(chan bus.Change)
+	in := bus.NewChangeQueue()
 	fam := coalesce.Family{Family: bus.IPv4, Out: bus.NewMailbox[*bus.Snapshot](), Results: bus.NewMailbox[bus.Result](),
 		Resync: bus.NewResyncFlag(), Resend: bus.NewResendFlag()}
 	s := coalesce.NewStage(coalesce.Params{Config: coalesce.Config{SyncPeriod: time.Hour}, In: in, Replay: bus.NewReplayFlag(),
@@ -30,12 +30,12 @@ func BenchmarkEventWhileManyPending(b *testing.B) {
 	for i := range 10000 {
 		services = append(services, svc(bus.ServiceKey{Namespace: "ns", Name: fmt.Sprintf("s%d", i)}, "10.96.0.1"))
 	}
-	in <- replayOf(services...) // its snapshot stays unanswered: everything stays pending
+	sendTaken(b, in, replayOf(services...)) // its snapshot stays unanswered: everything stays pending
 	b.ResetTimer()
 	i := 0
 	for b.Loop() {
 		i++
 		k := services[i%len(services)].ServiceKey
-		in <- bus.Change{Kind: bus.ServiceChanged, Key: k, Service: svc(k, "10.96.0.2")}
+		sendTaken(b, in, bus.Change{Kind: bus.ServiceChanged, Key: k, Service: svc(k, "10.96.0.2")})
 	}
 }

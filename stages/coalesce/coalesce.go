@@ -7,6 +7,7 @@ import (
 	"context"
 	"log/slog"
 	"maps"
+	"math"
 	"reflect"
 	"time"
 
@@ -39,7 +40,7 @@ type Family struct {
 // Params wire the coalesce stage.
 type Params struct {
 	Config   Config
-	In       <-chan bus.Change
+	In       *bus.ChangeQueue
 	Replay   *bus.ReplayFlag // raised on every start: watch sends the whole state
 	Families []Family
 	// Env reports each family's pending changes under Coalesce.Of(family).
@@ -49,7 +50,7 @@ type Params struct {
 // Stage is the coalesce stage.
 type Stage struct {
 	cfg      Config
-	in       <-chan bus.Change
+	in       *bus.ChangeQueue
 	replay   *bus.ReplayFlag
 	families []Family
 	status   bus.Reporter
@@ -89,6 +90,20 @@ type pendingChange struct {
 	// triggers are the EndpointSlice trigger times of the changes folded in, for
 	// kubeproxy_network_programming_duration_seconds.
 	triggers []time.Time
+}
+
+// maxTriggers bounds the trigger times a pending service keeps, so that a service
+// whose slices change without end while its commit is slow holds a bounded
+// amount: the earliest are kept (they are the largest latencies), the last slot
+// holds the latest.
+const maxTriggers = 16
+
+func (p *pendingChange) addTrigger(t time.Time) {
+	if len(p.triggers) < maxTriggers {
+		p.triggers = append(p.triggers, t)
+		return
+	}
+	p.triggers[maxTriggers-1] = t
 }
 
 // familyState is what coalesce tracks for one family's pipeline.
@@ -153,7 +168,7 @@ func (s *Stage) Run(ctx context.Context) error {
 	const ctxCase, inCase, periodicCase, timerCase, familyCases = 0, 1, 2, 3, 4
 	cases := []reflect.SelectCase{
 		{Dir: reflect.SelectRecv, Chan: reflect.ValueOf(ctx.Done())},
-		{Dir: reflect.SelectRecv, Chan: reflect.ValueOf(s.in)},
+		{Dir: reflect.SelectRecv, Chan: reflect.ValueOf(s.in.Ready())},
 		{Dir: reflect.SelectRecv, Chan: reflect.ValueOf(periodic.C)},
 		{Dir: reflect.SelectRecv, Chan: reflect.ValueOf(timer.C)},
 	}
@@ -172,13 +187,12 @@ func (s *Stage) Run(ctx context.Context) error {
 		} else {
 			resetTimer(timer, time.Hour)
 		}
-		chosen, v, _ := reflect.Select(cases)
+		chosen, _, _ := reflect.Select(cases)
 		switch chosen {
 		case ctxCase:
 			return nil
 		case inCase:
-			s.seq++
-			s.apply(&st, &synced, v.Interface().(bus.Change), s.seq, fams)
+			s.take(&st, &synced, fams)
 		case periodicCase:
 			for _, f := range fams {
 				if s.now().Sub(f.lastFull) >= s.cfg.FullSyncPeriod {
@@ -245,6 +259,23 @@ func (s *Stage) nextRun(synced bool, fams []*familyState, now time.Time) (time.T
 	return best, found
 }
 
+// take applies everything watch queued: the replay first, then the latest change
+// of each object.
+func (s *Stage) take(st *bus.State, synced *bool, fams []*familyState) {
+	cs, ok := s.in.TryTake()
+	if !ok {
+		return
+	}
+	if cs.Replay != nil {
+		s.seq++
+		s.apply(st, synced, bus.Change{Kind: bus.Replayed, Replay: cs.Replay}, s.seq, fams)
+	}
+	for _, c := range cs.Objects {
+		s.seq++
+		s.apply(st, synced, c, s.seq, fams)
+	}
+}
+
 func (s *Stage) apply(st *bus.State, synced *bool, c bus.Change, seq uint64, fams []*familyState) {
 	now := s.now()
 	mark := func(key bus.ServiceKey) {
@@ -269,9 +300,12 @@ func (s *Stage) apply(st *bus.State, synced *bool, c bus.Change, seq uint64, fam
 				}
 				// A slice programs only its own family's rules (kube-proxy's per-family
 				// proxiers each see only their slices).
-				if c.Kind == bus.SliceChanged && c.Slice != nil && c.Slice.Family == f.Family.Family &&
-					c.Slice.TriggerTime.After(s.started) {
-					p.triggers = append(p.triggers, c.Slice.TriggerTime)
+				if c.Kind == bus.SliceChanged && c.Slice != nil && c.Slice.Family == f.Family.Family {
+					for _, t := range []time.Time{c.EarlierTrigger, c.Slice.TriggerTime} {
+						if t.After(s.started) {
+							p.addTrigger(t)
+						}
+					}
 				}
 				f.pending[key] = p
 			}
@@ -279,7 +313,6 @@ func (s *Stage) apply(st *bus.State, synced *bool, c bus.Change, seq uint64, fam
 	}
 	switch c.Kind {
 	case bus.ServiceChanged:
-		s.metrics.ServiceChanges.Inc()
 		if c.Service == nil {
 			delete(st.Services, c.Key)
 		} else {
@@ -287,7 +320,6 @@ func (s *Stage) apply(st *bus.State, synced *bool, c bus.Change, seq uint64, fam
 		}
 		mark(c.Key)
 	case bus.SliceChanged:
-		s.metrics.EndpointChanges.Inc()
 		// Copy on write: snapshots already sent share the old inner map.
 		inner := maps.Clone(st.Slices[c.Key])
 		if inner == nil {
@@ -452,21 +484,26 @@ func (l *limiter) refill(now time.Time) {
 	l.last = now
 }
 
+// whole is as good as one token: the refill's float arithmetic may leave
+// 0.999… at the very time next promised a token, and a limiter that says "now"
+// but refuses would spin.
+const whole = 1 - 1e-9
+
 // next is when a token will be available.
 func (l *limiter) next(now time.Time) time.Time {
 	l.refill(now)
-	if l.tokens >= 1 {
+	if l.tokens >= whole {
 		return now
 	}
-	return now.Add(time.Duration((1 - l.tokens) * float64(l.interval)))
+	return now.Add(max(time.Duration(math.Ceil((1-l.tokens)*float64(l.interval))), 1))
 }
 
 // take spends a token if one is available.
 func (l *limiter) take(now time.Time) bool {
 	l.refill(now)
-	if l.tokens < 1 {
+	if l.tokens < whole {
 		return false
 	}
-	l.tokens--
+	l.tokens = max(l.tokens-1, 0)
 	return true
 }

@@ -23,7 +23,7 @@ const quiet = 250 * time.Millisecond
 
 type harness struct {
 	t      *testing.T
-	in     chan bus.Change
+	in     *bus.ChangeQueue
 	replay *bus.ReplayFlag
 	fams   map[bus.Family]coalesce.Family
 	board  *bus.Board
@@ -40,7 +40,7 @@ func start(t *testing.T, cfg coalesce.Config, families ...bus.Family) *harness {
 	if cfg.SyncPeriod == 0 {
 		cfg.SyncPeriod = time.Hour
 	}
-	h := &harness{t: t, in: make(chan bus.Change), replay: bus.NewReplayFlag(), fams: map[bus.Family]coalesce.Family{},
+	h := &harness{t: t, in: bus.NewChangeQueue(), replay: bus.NewReplayFlag(), fams: map[bus.Family]coalesce.Family{},
 		board: bus.NewBoard(), done: make(chan error, 1)}
 	var fs []coalesce.Family
 	for _, f := range families {
@@ -68,12 +68,22 @@ func start(t *testing.T, cfg coalesce.Config, families ...bus.Family) *harness {
 	return h
 }
 
+// send queues c and waits until coalesce has taken it.
 func (h *harness) send(c bus.Change) {
 	h.t.Helper()
-	select {
-	case h.in <- c:
-	case <-time.After(within):
-		h.t.Fatalf("coalesce did not take change %+v", c)
+	sendTaken(h.t, h.in, c)
+}
+
+// sendTaken queues c on q and waits until coalesce has taken it.
+func sendTaken(t testing.TB, q *bus.ChangeQueue, c bus.Change) {
+	t.Helper()
+	q.Put(c)
+	deadline := time.Now().Add(within)
+	for q.Len() > 0 {
+		if time.Now().After(deadline) {
+			t.Fatalf("coalesce did not take change %+v", c)
+		}
+		time.Sleep(time.Millisecond)
 	}
 }
 
@@ -726,7 +736,7 @@ func TestResendAfterRestartSendsTheState(t *testing.T) {
 // snapshots from 1 again, or a Result left in a mailbox by the previous run (the
 // mailboxes outlive it) is taken for the answer to a new snapshot.
 func TestGenerationsOutliveARestart(t *testing.T) {
-	in, replay := make(chan bus.Change), bus.NewReplayFlag()
+	in, replay := bus.NewChangeQueue(), bus.NewReplayFlag()
 	fam := coalesce.Family{Family: bus.IPv4, Out: bus.NewMailbox[*bus.Snapshot](), Results: bus.NewMailbox[bus.Result](),
 		Resync: bus.NewResyncFlag(), Resend: bus.NewResendFlag()}
 	s := coalesce.NewStage(coalesce.Params{Config: coalesce.Config{SyncPeriod: time.Hour}, In: in, Replay: replay,
@@ -735,7 +745,7 @@ func TestGenerationsOutliveARestart(t *testing.T) {
 		ctx, cancel := context.WithCancel(context.Background())
 		done := make(chan error, 1)
 		go func() { done <- s.Run(ctx) }()
-		in <- replayOf(svc(keyA, "10.96.0.1"))
+		sendTaken(t, in, replayOf(svc(keyA, "10.96.0.1")))
 		tctx, tcancel := context.WithTimeout(context.Background(), within)
 		defer tcancel()
 		snap, err := fam.Out.Take(tctx)
@@ -755,7 +765,7 @@ func TestGenerationsOutliveARestart(t *testing.T) {
 		t.Fatalf("restarted coalesce numbered its snapshot %d after %d", second.Generation, first.Generation)
 	}
 	// The stale answer must not release the family: a change waits for the answer to second.
-	in <- bus.Change{Kind: bus.ServiceChanged, Key: keyB, Service: svc(keyB, "10.96.0.2")}
+	sendTaken(t, in, bus.Change{Kind: bus.ServiceChanged, Key: keyB, Service: svc(keyB, "10.96.0.2")})
 	ctx, c := context.WithTimeout(context.Background(), quiet)
 	defer c()
 	if s, err := fam.Out.Take(ctx); err == nil {

@@ -1,6 +1,7 @@
 // Package health is the health stage: it serves kube-proxy's HTTP surface — /healthz
-// and /livez on the healthz listener; /metrics, /proxyMode, /configz, /healthz and the
-// debug handlers on the metrics listener — and one HTTP server per
+// and /livez on the healthz listener; /metrics, /proxyMode, /configz, /healthz (and
+// pprof with kube-proxy's --profiling) on the metrics listener — kpipe's debug
+// handlers (pprof, /debug/stages) on their own listener, and one HTTP server per
 // healthCheckNodePort, from what the other stages publish on the board and in the
 // health-check mailbox.
 package health
@@ -23,11 +24,17 @@ import (
 
 // Config says where and what the health stage serves.
 type Config struct {
-	HealthzAddr string        // e.g. "0.0.0.0:10256"; "" disables
-	MetricsAddr string        // e.g. "127.0.0.1:10249"; "" disables
-	EnableDebug bool          // pprof (/debug/pprof/...) and Stages on the metrics listener
-	SyncPeriod  time.Duration // health timeout is 2 × SyncPeriod (≤ 0: kube-proxy's default, 30s)
-	NodeName    string
+	HealthzAddr string // e.g. "0.0.0.0:10256"; "" disables
+	MetricsAddr string // e.g. "127.0.0.1:10249"; "" disables
+	// Profiling serves pprof (/debug/pprof/...) on the metrics listener, as
+	// kube-proxy's --profiling does. Never the Stages handler.
+	Profiling bool
+	// DebugAddr is the debug listener (pprof and the Stages handler, which can
+	// kill stages), e.g. "127.0.0.1:10247"; "" disables it. The only listener
+	// that serves Stages.
+	DebugAddr  string
+	SyncPeriod time.Duration // health timeout is 2 × SyncPeriod (≤ 0: kube-proxy's default, 30s)
+	NodeName   string
 	// Families are the families whose commit stages must report (e.g. [IPv4] or
 	// [IPv4, IPv6]); empty means [IPv4].
 	Families []bus.Family
@@ -97,8 +104,8 @@ type Params struct {
 	Gatherer prometheus.Gatherer
 	// Checks are the healthCheckNodePort answers (one HealthChecks per family).
 	Checks *bus.Mailbox[bus.HealthCheckUpdates]
-	// Stages is the supervisor's /debug/stages handler (mounted only with
-	// EnableDebug; may be nil).
+	// Stages is the supervisor's /debug/stages handler (mounted only on the
+	// debug listener; may be nil).
 	Stages http.Handler
 	// Env's metrics count the /healthz and /livez answers.
 	Env bus.Env
@@ -151,6 +158,7 @@ func New(p Params) *Health {
 const (
 	healthzListener = "healthz"
 	metricsListener = "metrics"
+	debugListener   = "debug"
 )
 
 // boundAddr is the address a listener of the running Run is bound to (nil when not
@@ -172,8 +180,8 @@ func (h *Health) setBound(name string, a net.Addr) {
 }
 
 // Run serves until ctx ends (then shuts the servers down gracefully, closes every
-// healthCheckNodePort listener and returns nil) or a serving healthz or metrics
-// listener fails (then returns the error). A port that cannot be bound fails Run
+// healthCheckNodePort listener and returns nil) or a serving healthz, metrics or
+// debug listener fails (then returns the error). A port that cannot be bound fails Run
 // only with BindHardFail; otherwise it is retried in the background. Every port is
 // released when Run returns.
 func (h *Health) Run(ctx context.Context) error {
@@ -182,7 +190,7 @@ func (h *Health) Run(ctx context.Context) error {
 	}
 	ctx, cancel := context.WithCancel(ctx)
 	var wg sync.WaitGroup
-	errc := make(chan error, 2)
+	errc := make(chan error, 3)
 	hc := newServiceServers(h, &wg)
 	defer func() {
 		cancel() // stops the listeners, which shut their servers down gracefully
@@ -196,6 +204,7 @@ func (h *Health) Run(ctx context.Context) error {
 	}{
 		{healthzListener, h.cfg.HealthzAddr, h.healthzMux},
 		{metricsListener, h.cfg.MetricsAddr, h.metricsMux},
+		{debugListener, h.cfg.DebugAddr, h.debugMux},
 	}
 	for _, l := range listeners {
 		if l.addr == "" {

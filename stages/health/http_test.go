@@ -372,17 +372,13 @@ func TestMetricsListener(t *testing.T) {
 		t.Errorf("/healthz/ping = %d %q", r.code, r.body)
 	}
 
-	// Debug disabled: neither pprof nor the stages handler.
-	for _, path := range []string{"/debug/pprof/", "/debug/pprof/goroutine", "/debug/pprof/profile", "/debug/stages"} {
+	// Without Profiling: no pprof; never the stages handler.
+	for _, path := range []string{"/debug/pprof/", "/debug/pprof/goroutine", "/debug/pprof/profile"} {
 		if r := get(t, base+path); r.code != http.StatusNotFound {
-			t.Errorf("%s without EnableDebug: code %d, want 404", path, r.code)
+			t.Errorf("%s without Profiling: code %d, want 404", path, r.code)
 		}
 	}
-	select {
-	case c := <-stages.calls:
-		t.Errorf("stages handler called without EnableDebug: %s", c)
-	default:
-	}
+	checkNoStages(t, base, stages)
 	if r := get(t, base+"/livez"); r.code != http.StatusNotFound {
 		t.Errorf("/livez on the metrics listener: code %d, want 404", r.code)
 	}
@@ -397,12 +393,9 @@ func TestConfigzEmpty(t *testing.T) {
 	}
 }
 
-func TestDebugEndpoints(t *testing.T) {
-	stages := fakeStages{calls: make(chan string, 10)}
-	hs := newHarness(t, Config{MetricsAddr: "127.0.0.1:0", EnableDebug: true}, stages)
-	hs.run(t)
-	base := "http://" + hs.addr(t, metricsListener)
-
+// checkPprof: the profiling handlers answer on base.
+func checkPprof(t *testing.T, base string) {
+	t.Helper()
 	r := get(t, base+"/debug/pprof/")
 	if r.code != http.StatusOK || !strings.Contains(r.body, "goroutine") {
 		t.Errorf("/debug/pprof/ = %d, body lacks goroutine:\n%s", r.code, r.body)
@@ -418,8 +411,34 @@ func TestDebugEndpoints(t *testing.T) {
 	if r.code != http.StatusFound || r.header.Get("Location") != "/debug/pprof/" {
 		t.Errorf("/debug/pprof = %d Location %q, want 302 /debug/pprof/", r.code, r.header.Get("Location"))
 	}
+}
 
-	r = get(t, base+"/debug/stages")
+// checkNoStages: neither GET /debug/stages nor the kill endpoint reach the stages
+// handler on base.
+func checkNoStages(t *testing.T, base string, stages fakeStages) {
+	t.Helper()
+	for _, req := range [][2]string{{http.MethodGet, "/debug/stages"}, {http.MethodPost, "/debug/stages/commit-ipv4/kill"}} {
+		if r := do(t, req[0], base+req[1]); r.code != http.StatusNotFound {
+			t.Errorf("%s %s: code %d, want 404", req[0], req[1], r.code)
+		}
+	}
+	select {
+	case c := <-stages.calls:
+		t.Errorf("stages handler called on %s: %s", base, c)
+	default:
+	}
+}
+
+// TestDebugListener: the debug listener serves pprof, /debug/stages and the kill
+// endpoint; the metrics listener beside it serves none of them.
+func TestDebugListener(t *testing.T) {
+	stages := fakeStages{calls: make(chan string, 10)}
+	hs := newHarness(t, Config{MetricsAddr: "127.0.0.1:0", DebugAddr: "127.0.0.1:0"}, stages)
+	hs.run(t)
+	base := "http://" + hs.addr(t, debugListener)
+	checkPprof(t, base)
+
+	r := get(t, base+"/debug/stages")
 	if r.code != http.StatusOK || r.body != `[{"name":"watch"}]` {
 		t.Errorf("/debug/stages = %d %s", r.code, r.body)
 	}
@@ -432,6 +451,32 @@ func TestDebugEndpoints(t *testing.T) {
 	if c := <-stages.calls; c != "POST /debug/stages/commit-ipv4/kill" {
 		t.Errorf("stages handler saw %q", c)
 	}
+	for _, path := range []string{"/metrics", "/healthz", "/configz"} {
+		if r := get(t, base+path); r.code != http.StatusNotFound {
+			t.Errorf("%s on the debug listener: code %d, want 404", path, r.code)
+		}
+	}
+
+	metrics := "http://" + hs.addr(t, metricsListener)
+	checkNoStages(t, metrics, stages)
+	if r := get(t, metrics+"/debug/pprof/"); r.code != http.StatusNotFound {
+		t.Errorf("/debug/pprof/ on the metrics listener without Profiling: code %d, want 404", r.code)
+	}
+}
+
+// TestProfilingOnMetrics: kube-proxy's --profiling serves pprof on the metrics
+// listener, and never the stages handler (nor a debug listener).
+func TestProfilingOnMetrics(t *testing.T) {
+	stages := fakeStages{calls: make(chan string, 10)}
+	hs := newHarness(t, Config{MetricsAddr: "127.0.0.1:0", HealthzAddr: "127.0.0.1:0", Profiling: true}, stages)
+	hs.run(t)
+	base := "http://" + hs.addr(t, metricsListener)
+	checkPprof(t, base)
+	checkNoStages(t, base, stages)
+	checkNoStages(t, "http://"+hs.addr(t, healthzListener), stages)
+	if a := hs.h.boundAddr(debugListener); a != nil {
+		t.Errorf("debug listener bound at %v without DebugAddr", a)
+	}
 }
 
 func TestRunReleasesPorts(t *testing.T) {
@@ -440,11 +485,11 @@ func TestRunReleasesPorts(t *testing.T) {
 	hs := newHarness(t, Config{
 		HealthzAddr: "127.0.0.1:0",
 		MetricsAddr: "127.0.0.1:0",
-		EnableDebug: true,
+		DebugAddr:   "127.0.0.1:0",
 	}, nil)
 	hs.checks.Put(checks(bus.IPv4, map[bus.ServiceKey]bus.HealthCheck{key: {NodePort: port, LocalEndpoints: 1}}))
 	stop := hs.run(t)
-	healthz, metrics := hs.addr(t, healthzListener), hs.addr(t, metricsListener)
+	healthz, metrics, debug := hs.addr(t, healthzListener), hs.addr(t, metricsListener), hs.addr(t, debugListener)
 	hcURL := "http://" + hcAddr(port) + "/"
 	eventually(t, func() bool { _, err := tryGet(hcURL); return err == nil }, "healthcheck port open")
 	if r := get(t, "http://"+healthz+"/healthz"); r.code != http.StatusOK {
@@ -457,7 +502,7 @@ func TestRunReleasesPorts(t *testing.T) {
 	if a := hs.h.boundAddr(healthzListener); a != nil {
 		t.Errorf("healthz still reported bound at %v", a)
 	}
-	for _, addr := range []string{healthz, metrics, hcAddr(port)} {
+	for _, addr := range []string{healthz, metrics, debug, hcAddr(port)} {
 		ln, err := net.Listen("tcp", addr)
 		if err != nil {
 			t.Errorf("rebind %s after Run returned: %v", addr, err)
@@ -468,7 +513,7 @@ func TestRunReleasesPorts(t *testing.T) {
 
 	// A restarted Run serves again, reopening the healthcheck servers from what the
 	// first Run took, though the mailbox is now empty.
-	hs.h.cfg.HealthzAddr, hs.h.cfg.MetricsAddr = healthz, metrics
+	hs.h.cfg.HealthzAddr, hs.h.cfg.MetricsAddr, hs.h.cfg.DebugAddr = healthz, metrics, debug
 	stop = hs.run(t)
 	if got := hs.addr(t, healthzListener); got != healthz {
 		t.Errorf("restarted healthz on %s, want %s", got, healthz)

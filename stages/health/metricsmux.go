@@ -19,8 +19,9 @@ const proxyMode = "iptables"
 const configzKey = "kubeproxy.config.k8s.io"
 
 // metricsMux serves the metrics listener as kube-proxy's serveMetrics does: /healthz
-// (the ping-only apiserver healthz), /proxyMode, /metrics, /configz, kpipe's /sync and, when debug
-// is enabled, the profiling handlers — plus kpipe's /debug/stages.
+// (the ping-only apiserver healthz), /proxyMode, /metrics, /configz, kpipe's /sync and,
+// with Profiling, the profiling handlers. Never /debug/stages: that is the debug
+// listener's alone.
 func (h *Health) metricsMux() http.Handler {
 	mux := http.NewServeMux()
 	mux.HandleFunc("/healthz", servePingHealthz)
@@ -36,22 +37,35 @@ func (h *Health) metricsMux() http.Handler {
 	}
 	mux.HandleFunc("/configz", h.serveConfigz)
 	mux.HandleFunc("GET /sync", h.serveSync)
-	if h.cfg.EnableDebug {
-		// Registered on this mux only: importing net/http/pprof also registers on
-		// http.DefaultServeMux, which kpipe never serves.
-		mux.HandleFunc("/debug/pprof", func(w http.ResponseWriter, r *http.Request) {
-			http.Redirect(w, r, "/debug/pprof/", http.StatusFound)
-		})
-		mux.HandleFunc("/debug/pprof/", pprof.Index)
-		mux.HandleFunc("/debug/pprof/profile", pprof.Profile)
-		mux.HandleFunc("/debug/pprof/symbol", pprof.Symbol)
-		mux.HandleFunc("/debug/pprof/trace", pprof.Trace)
-		if h.stages != nil {
-			mux.Handle("/debug/stages", h.stages)
-			mux.Handle("/debug/stages/", h.stages)
-		}
+	if h.cfg.Profiling {
+		handlePprof(mux)
 	}
 	return mux
+}
+
+// debugMux serves the debug listener: pprof and the supervisor's /debug/stages
+// (which can kill a stage).
+func (h *Health) debugMux() http.Handler {
+	mux := http.NewServeMux()
+	handlePprof(mux)
+	if h.stages != nil {
+		mux.Handle("/debug/stages", h.stages)
+		mux.Handle("/debug/stages/", h.stages)
+	}
+	return mux
+}
+
+// handlePprof registers the profiling handlers on mux only: importing
+// net/http/pprof also registers them on http.DefaultServeMux, which kpipe never
+// serves.
+func handlePprof(mux *http.ServeMux) {
+	mux.HandleFunc("/debug/pprof", func(w http.ResponseWriter, r *http.Request) {
+		http.Redirect(w, r, "/debug/pprof/", http.StatusFound)
+	})
+	mux.HandleFunc("/debug/pprof/", pprof.Index)
+	mux.HandleFunc("/debug/pprof/profile", pprof.Profile)
+	mux.HandleFunc("/debug/pprof/symbol", pprof.Symbol)
+	mux.HandleFunc("/debug/pprof/trace", pprof.Trace)
 }
 
 // servePingHealthz is k8s.io/apiserver's healthz handler with only the ping check,

@@ -33,12 +33,13 @@ import (
 // services' slices, are not ours.
 const selector = "!service.kubernetes.io/service-proxy-name,!service.kubernetes.io/headless"
 
-// Stage runs the informers and sends every change, and a full replay when coalesce
-// asks for one, on out.
+// Stage runs the informers and queues every change, and a full replay when
+// coalesce asks for one, on out. Queuing never blocks (out keeps the latest
+// change per object), so the informers' handlers never stall.
 type Stage struct {
 	client     kubernetes.Interface
 	conv       Converter
-	out        chan<- bus.Change
+	out        *bus.ChangeQueue
 	replay     *bus.ReplayFlag
 	status     bus.Reporter
 	metrics    *metrics.Metrics
@@ -67,7 +68,7 @@ type Stage struct {
 type Params struct {
 	Client   kubernetes.Interface
 	NodeName string
-	Out      chan<- bus.Change
+	Out      *bus.ChangeQueue
 	Replay   *bus.ReplayFlag // coalesce asks for the whole state
 	// WatchAddrs turns on the netlink address watch (needed for --nodeport-addresses).
 	WatchAddrs bool
@@ -96,8 +97,7 @@ type informerSet struct {
 // supervisor restarts it, and the restart replays. When the apiserver was lost
 // and answers again, Run lists everything anew and replays it itself.
 func (s *Stage) Run(ctx context.Context) error {
-	// run ends the informers, and any send their handlers block in, whenever Run
-	// returns; ctx may still be live.
+	// run ends the informers whenever Run returns; ctx may still be live.
 	run, stop := context.WithCancel(ctx)
 	defer stop()
 	failed := make(chan error, 1)
@@ -154,7 +154,7 @@ func (s *Stage) watchOnce(run context.Context, addrs <-chan struct{}, fail func(
 					return
 				}
 				if c, ok := toChange(obj, deleted); ok {
-					s.send(gen, c)
+					s.send(c)
 				}
 			})
 			if err != nil {
@@ -197,7 +197,7 @@ func (s *Stage) watchOnce(run context.Context, addrs <-chan struct{}, fail func(
 	s.sendMu.Lock()
 	synced = true
 	s.sendMu.Unlock()
-	if err := s.catch("replay", func() { s.sendReplay(gen, inf) }); err != nil {
+	if err := s.catch("replay", func() { s.sendReplay(inf) }); err != nil {
 		return false, err
 	}
 	s.replay.Lower() // the replay just sent answers any request made before it
@@ -208,14 +208,17 @@ func (s *Stage) watchOnce(run context.Context, addrs <-chan struct{}, fail func(
 		case <-back:
 			return true, nil
 		case <-s.replay.C():
-			if err := s.catch("replay", func() { s.sendReplay(gen, inf) }); err != nil {
+			if err := s.catch("replay", func() { s.sendReplay(inf) }); err != nil {
 				return false, err
 			}
 		case _, ok := <-addrs:
 			if !ok {
+				if gen.Err() != nil {
+					return false, nil // closed because Run is ending
+				}
 				return false, fmt.Errorf("watch: netlink address subscription closed")
 			}
-			if err := s.catch("address update", func() { s.sendAddrs(gen) }); err != nil {
+			if err := s.catch("address update", func() { s.sendAddrs() }); err != nil {
 				return false, err
 			}
 		}
@@ -355,21 +358,30 @@ func (s *Stage) subscribeAddrs(ctx context.Context) (<-chan struct{}, error) {
 	if err != nil {
 		return nil, err
 	}
-	// Collapse bursts of updates into one signal.
+	// Collapse bursts of updates into one signal. It ends with ctx, whether or
+	// not the subscription closes its channel then.
 	signal := make(chan struct{}, 1)
 	go func() {
 		defer close(signal)
-		for range updates {
+		for {
 			select {
-			case signal <- struct{}{}:
-			default:
+			case <-ctx.Done():
+				return
+			case _, ok := <-updates:
+				if !ok {
+					return
+				}
+				select {
+				case signal <- struct{}{}:
+				default:
+				}
 			}
 		}
 	}()
 	return signal, nil
 }
 
-func (s *Stage) sendAddrs(ctx context.Context) {
+func (s *Stage) sendAddrs() {
 	addrs, err := nf.LocalAddrs()
 	if err != nil {
 		s.log.Error("read local addresses", "err", err)
@@ -377,21 +389,26 @@ func (s *Stage) sendAddrs(ctx context.Context) {
 	}
 	s.sendMu.Lock()
 	defer s.sendMu.Unlock()
-	s.send(ctx, bus.Change{Kind: bus.LocalAddrsChanged, Addrs: addrs})
+	s.send(bus.Change{Kind: bus.LocalAddrsChanged, Addrs: addrs})
 }
 
-// send blocks until coalesce takes the change or ctx ends.
-func (s *Stage) send(ctx context.Context, c bus.Change) {
+// send queues c for coalesce; it never blocks. Every Service and EndpointSlice
+// update is counted here, as kube-proxy counts them in its change trackers,
+// though the queue may fold several into one.
+func (s *Stage) send(c bus.Change) {
 	if s.beforeSend != nil {
 		s.beforeSend(c)
 	}
-	select {
-	case s.out <- c:
-	case <-ctx.Done():
+	switch c.Kind {
+	case bus.ServiceChanged:
+		s.metrics.ServiceChanges.Inc()
+	case bus.SliceChanged:
+		s.metrics.EndpointChanges.Inc()
 	}
+	s.out.Put(c)
 }
 
-func (s *Stage) sendReplay(ctx context.Context, inf informerSet) {
+func (s *Stage) sendReplay(inf informerSet) {
 	s.sendMu.Lock()
 	defer s.sendMu.Unlock()
 	st := &bus.State{Services: map[bus.ServiceKey]*bus.Service{}, Slices: map[bus.ServiceKey]map[string]*bus.EndpointSlice{}}
@@ -420,7 +437,7 @@ func (s *Stage) sendReplay(ctx context.Context, inf informerSet) {
 		}
 	}
 	s.log.Debug("replaying state", "services", len(st.Services), "slices", len(inf.slices.GetStore().ListKeys()))
-	s.send(ctx, bus.Change{Kind: bus.Replayed, Replay: st})
+	s.send(bus.Change{Kind: bus.Replayed, Replay: st})
 }
 
 func (s *Stage) serviceChange(obj any, deleted bool) (bus.Change, bool) {

@@ -28,7 +28,8 @@ const within = 10 * time.Second
 type stageHarness struct {
 	t       *testing.T
 	client  *fake.Clientset
-	out     chan bus.Change
+	out     *bus.ChangeQueue
+	taken   []bus.Change // taken from out, not yet returned by next
 	replay  *bus.ReplayFlag
 	board   *bus.Board
 	reg     *prometheus.Registry
@@ -52,7 +53,7 @@ func startStage(t *testing.T, objects ...runtime.Object) *stageHarness {
 // startStageWith is startStage with setup applied to the stage before it runs.
 func startStageWith(t *testing.T, setup func(*Stage), objects ...runtime.Object) *stageHarness {
 	t.Helper()
-	h := &stageHarness{t: t, client: fake.NewClientset(objects...), out: make(chan bus.Change, 256), replay: bus.NewReplayFlag(),
+	h := &stageHarness{t: t, client: fake.NewClientset(objects...), out: bus.NewChangeQueue(), replay: bus.NewReplayFlag(),
 		board: bus.NewBoard(), reg: prometheus.NewRegistry(), watches: make(chan string, 64), selectors: map[string][]string{}}
 	h.client.PrependReactor("list", "*", func(a k8stesting.Action) (bool, runtime.Object, error) {
 		if l, ok := a.(k8stesting.ListAction); ok {
@@ -150,15 +151,34 @@ func (h *stageHarness) next(what string, match func(bus.Change) bool) bus.Change
 	h.t.Helper()
 	deadline := time.After(within)
 	for {
-		select {
-		case c := <-h.out:
+		for len(h.taken) > 0 {
+			c := h.taken[0]
+			h.taken = h.taken[1:]
 			if match(c) {
 				return c
 			}
+		}
+		select {
+		case <-h.out.Ready():
+			h.taken = append(h.taken, flatten(h.out)...)
 		case <-deadline:
 			h.t.Fatalf("no change: %s", what)
 		}
 	}
+}
+
+// flatten takes what q holds as the changes coalesce applies, in order: the
+// replay first.
+func flatten(q *bus.ChangeQueue) []bus.Change {
+	cs, ok := q.TryTake()
+	if !ok {
+		return nil
+	}
+	var out []bus.Change
+	if cs.Replay != nil {
+		out = append(out, bus.Change{Kind: bus.Replayed, Replay: cs.Replay})
+	}
+	return append(out, cs.Objects...)
 }
 
 func (h *stageHarness) nextReplay() *bus.State {
@@ -334,7 +354,18 @@ func TestStageSendsChanges(t *testing.T) {
 
 func TestStageInvalidServiceIsCountedAndDoesNotStopOthers(t *testing.T) {
 	ctx := context.Background()
-	h := startStage(t, node("node-1"))
+	// What watch sends, before the queue folds an object's changes into its latest.
+	var mu sync.Mutex
+	var zones []string
+	h := startStageWith(t, func(s *Stage) {
+		s.beforeSend = func(c bus.Change) {
+			if c.Kind == bus.NodeChanged {
+				mu.Lock()
+				defer mu.Unlock()
+				zones = append(zones, c.Node.Zone)
+			}
+		}
+	}, node("node-1"))
 	h.nextReplay()
 	h.waitWatches()
 	svcs := h.client.CoreV1().Services("ns")
@@ -404,7 +435,18 @@ func TestStageReplaysOnRequest(t *testing.T) {
 // change nothing kpipe uses and must not become NodeChanged events.
 func TestStageNodeChangedOnlyWhenUsedFieldsChange(t *testing.T) {
 	ctx := context.Background()
-	h := startStage(t, node("node-1"))
+	// What watch sends, before the queue folds an object's changes into its latest.
+	var mu sync.Mutex
+	var zones []string
+	h := startStageWith(t, func(s *Stage) {
+		s.beforeSend = func(c bus.Change) {
+			if c.Kind == bus.NodeChanged {
+				mu.Lock()
+				defer mu.Unlock()
+				zones = append(zones, c.Node.Zone)
+			}
+		}
+	}, node("node-1"))
 	h.nextReplay()
 	h.waitWatches()
 	nodes := h.client.CoreV1().Nodes()
@@ -428,16 +470,12 @@ func TestStageNodeChangedOnlyWhenUsedFieldsChange(t *testing.T) {
 	heartbeat("zone-b")
 	heartbeat("zone-b")
 	heartbeat("zone-c")
-	var zones []string
-	h.next("node in zone-c", func(c bus.Change) bool {
-		if c.Kind != bus.NodeChanged {
-			return false
-		}
-		zones = append(zones, c.Node.Zone)
-		return c.Node.Zone == "zone-c"
-	})
-	if !slices.Equal(zones, []string{"zone-b", "zone-c"}) {
-		t.Errorf("NodeChanged zones = %v; want [zone-b zone-c]: one per real change", zones)
+	h.next("node in zone-c", func(c bus.Change) bool { return c.Kind == bus.NodeChanged && c.Node.Zone == "zone-c" })
+	mu.Lock()
+	sent := slices.Clone(zones)
+	mu.Unlock()
+	if !slices.Equal(sent, []string{"zone-b", "zone-c"}) {
+		t.Errorf("NodeChanged zones = %v; want [zone-b zone-c]: one per real change", sent)
 	}
 
 	// A replay still carries the node.
