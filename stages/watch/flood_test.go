@@ -120,7 +120,8 @@ func TestFloodIsBoundedByObjects(t *testing.T) {
 	if peakQueued > services+2 {
 		t.Errorf("peak queued %d; want at most the %d objects", peakQueued, services+2)
 	}
-	if grew > 16<<20 {
+	if grew > 16<<20 && !raceDetector { // the queue bound above is checked either way
+
 		t.Errorf("live heap grew %.1f MB during the flood; want it bounded by the objects, not the updates", float64(grew)/1e6)
 	}
 }
