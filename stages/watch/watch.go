@@ -213,8 +213,10 @@ func (s *Stage) watchOnce(run context.Context, addrs <-chan struct{}, fail func(
 			}
 		case _, ok := <-addrs:
 			if !ok {
-				if gen.Err() != nil {
-					return false, nil // closed because Run is ending
+				if run.Err() != nil {
+					// closed because Run is ending (the subscription follows run:
+					// its cancellation reaches gen only after run's Done closes)
+					return false, nil
 				}
 				return false, fmt.Errorf("watch: netlink address subscription closed")
 			}
