@@ -3,7 +3,7 @@
 // kube-apiserver: N services (a tenth NodePort) with 10 endpoints each, the
 // proxies one after the other, each in a fresh node namespace with the same
 // flags, at --iptables-min-sync-period 1s and 0. Every figure of rules comes
-// from the kernel (iptables or nft listing a chain, nft monitor), none from
+// from the kernel (iptables or nft listing a chain, nf_tables notifications), none from
 // a proxy's own metrics. Needs root. Run from the repository:
 //
 //	go tool task bench-proxy                 # BENCH_N=1000
@@ -199,13 +199,15 @@ type runKey struct {
 }
 
 type result struct {
-	firstSync   time.Duration
-	isolated    []time.Duration // sorted
-	backToBack  []time.Duration // sorted
-	churnTook   time.Duration
-	churnWrites testbed.Writes
-	converge    time.Duration
-	usage       usage
+	firstSync  time.Duration
+	isolated   []time.Duration // sorted
+	backToBack []time.Duration // sorted
+	churnTook  time.Duration
+	churnTxns  int
+	churnBytes int
+	churnLost  bool // notifications were lost: the counts are low
+	converge   time.Duration
+	usage      usage
 }
 
 // benchOne runs proxy in a fresh node namespace through every phase.
@@ -256,12 +258,13 @@ func benchOne(ctx context.Context, tb *testbed.Testbed, w *workload, proxy, bin 
 		return r, fmt.Errorf("back-to-back changes: %w", err)
 	}
 
-	// Churn, counted by the kernel's monitor from its start to convergence.
-	mon, err := tb.MonitorRulesetIn(node.NS)
+	// Churn, its writes counted by the kernel's notifications from its start
+	// to convergence.
+	writes, err := countWrites(tb, node.NS)
 	if err != nil {
 		return r, err
 	}
-	defer mon.Stop()
+	defer writes.stop()
 	last, lastSvc, took, err := w.churn(ctx, churnUpdates, churnSpread)
 	if err != nil {
 		return r, fmt.Errorf("churn: %w", err)
@@ -279,7 +282,7 @@ func benchOne(ctx context.Context, tb *testbed.Testbed, w *workload, proxy, bin 
 		}
 	}
 	r.converge = seen.Sub(last)
-	r.churnWrites = mon.Writes()
+	r.churnTxns, r.churnBytes, r.churnLost = writes.stop()
 	if r.usage, err = readUsage(pid); err != nil {
 		return r, err
 	}
@@ -327,12 +330,16 @@ func printHeader(n int) {
 }
 
 func printRow(proxy string, minSync time.Duration, r result) {
-	fmt.Printf("%-9s %-8v %10s %15s %15s %9s %6d %11d %9s %8.1f %7.1f\n",
+	lost := ""
+	if r.churnLost {
+		lost = " (notifications lost: txns and bytes low)"
+	}
+	fmt.Printf("%-9s %-8v %10s %15s %15s %9s %6d %11d %9s %8.1f %7.1f%s\n",
 		proxy, minSync, ms(r.firstSync),
 		ms(percentile(r.isolated, 50))+"/"+ms(percentile(r.isolated, 99)),
 		ms(percentile(r.backToBack, 50))+"/"+ms(percentile(r.backToBack, 99)),
-		ms(r.churnTook), r.churnWrites.Transactions, r.churnWrites.ChangeBytes, ms(r.converge),
-		float64(r.usage.peakRSSKiB)/1024, r.usage.cpu.Seconds())
+		ms(r.churnTook), r.churnTxns, r.churnBytes, ms(r.converge),
+		float64(r.usage.peakRSSKiB)/1024, r.usage.cpu.Seconds(), lost)
 }
 
 // printRatios prints kpipe's figures over kube-proxy's at the largest N, per
@@ -361,8 +368,7 @@ func printRatios(cfg config, results map[runKey]result) {
 				mode, minSync, dur(kp.firstSync, up.firstSync),
 				dur(percentile(kp.isolated, 50), percentile(up.isolated, 50)), dur(percentile(kp.isolated, 99), percentile(up.isolated, 99)),
 				dur(percentile(kp.backToBack, 50), percentile(up.backToBack, 50)), dur(percentile(kp.backToBack, 99), percentile(up.backToBack, 99)),
-				ratio(float64(kp.churnWrites.Transactions), float64(up.churnWrites.Transactions)),
-				ratio(float64(kp.churnWrites.ChangeBytes), float64(up.churnWrites.ChangeBytes)),
+				ratio(float64(kp.churnTxns), float64(up.churnTxns)), ratio(float64(kp.churnBytes), float64(up.churnBytes)),
 				dur(kp.converge, up.converge),
 				ratio(float64(kp.usage.peakRSSKiB), float64(up.usage.peakRSSKiB)), dur(kp.usage.cpu, up.usage.cpu))
 		}

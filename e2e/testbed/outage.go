@@ -128,24 +128,18 @@ type RulesetMonitor struct {
 	rulesAdded   int
 	rulesDeleted int
 	chains       int // chains created or deleted
-	// changeBytes is the length of the monitor's lines that add, insert or
-	// delete something: the changes written, in nft's syntax.
-	changeBytes int
-	ready       chan struct{}
+	ready        chan struct{}
 }
 
 // MonitorRuleset starts counting the node namespace's ruleset writes.
-func (tb *Testbed) MonitorRuleset() (*RulesetMonitor, error) { return tb.MonitorRulesetIn(tb.NodeNS) }
-
-// MonitorRulesetIn starts counting the ruleset writes of namespace ns.
-func (tb *Testbed) MonitorRulesetIn(ns string) (*RulesetMonitor, error) {
+func (tb *Testbed) MonitorRuleset() (*RulesetMonitor, error) {
 	r, w, err := os.Pipe()
 	if err != nil {
 		return nil, err
 	}
 	m := &RulesetMonitor{ready: make(chan struct{})}
 	logPath := tb.path(fmt.Sprintf("nft-monitor-%d.log", time.Now().UnixNano()))
-	cmd := exec.Command("ip", "netns", "exec", ns, "nft", "monitor")
+	cmd := exec.Command("ip", "netns", "exec", tb.NodeNS, "nft", "monitor")
 	cmd.Stdout = w
 	cmd.Stderr = w
 	if err := startCmd(cmd); err != nil {
@@ -163,7 +157,7 @@ func (tb *Testbed) MonitorRulesetIn(ns string) (*RulesetMonitor, error) {
 	go m.read(r, logPath)
 	// nft monitor prints nothing when it is listening; give it a moment to
 	// subscribe, then prove it by a write of our own that it must see.
-	if err := m.probe(tb, ns); err != nil {
+	if err := m.probe(tb); err != nil {
 		m.Stop()
 		return nil, err
 	}
@@ -184,9 +178,6 @@ func (m *RulesetMonitor) read(r *os.File, logPath string) {
 			fmt.Fprintln(log, l)
 		}
 		m.mu.Lock()
-		if strings.HasPrefix(l, "add ") || strings.HasPrefix(l, "insert ") || strings.HasPrefix(l, "delete ") {
-			m.changeBytes += len(l) + 1
-		}
 		switch {
 		case strings.HasPrefix(l, "# new generation"):
 			m.transactions = append(m.transactions, l)
@@ -212,10 +203,10 @@ const probeTable = "kpe2e_monitor_probe"
 
 // probe adds and deletes a table of its own until the monitor reports it, then
 // forgets the counts so far.
-func (m *RulesetMonitor) probe(tb *Testbed, ns string) error {
+func (m *RulesetMonitor) probe(tb *Testbed) error {
 	deadline := time.Now().Add(10 * time.Second)
 	for {
-		if _, err := tb.Exec(ns, "nft", "add table inet "+probeTable+"; delete table inet "+probeTable); err != nil {
+		if _, err := tb.Exec(tb.NodeNS, "nft", "add table inet "+probeTable+"; delete table inet "+probeTable); err != nil {
 			return fmt.Errorf("nft monitor probe: %w", err)
 		}
 		select {
@@ -236,10 +227,7 @@ type Writes struct {
 	Transactions             int
 	RulesAdded, RulesDeleted int
 	ChainsCreatedOrDeleted   int
-	// ChangeBytes is the size of the changes in nft's syntax (the monitor's
-	// add, insert and delete lines): the same measure whatever wrote them.
-	ChangeBytes      int
-	TransactionLines []string
+	TransactionLines         []string
 }
 
 func (w Writes) String() string {
@@ -252,14 +240,14 @@ func (m *RulesetMonitor) Writes() Writes {
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	return Writes{Transactions: len(m.transactions), RulesAdded: m.rulesAdded, RulesDeleted: m.rulesDeleted,
-		ChainsCreatedOrDeleted: m.chains, ChangeBytes: m.changeBytes, TransactionLines: append([]string(nil), m.transactions...)}
+		ChainsCreatedOrDeleted: m.chains, TransactionLines: append([]string(nil), m.transactions...)}
 }
 
 // Reset sets the counts to zero.
 func (m *RulesetMonitor) Reset() {
 	m.mu.Lock()
 	defer m.mu.Unlock()
-	m.transactions, m.rulesAdded, m.rulesDeleted, m.chains, m.changeBytes = nil, 0, 0, 0, 0
+	m.transactions, m.rulesAdded, m.rulesDeleted, m.chains = nil, 0, 0, 0
 }
 
 // Stop ends the monitor.
