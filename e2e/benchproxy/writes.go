@@ -17,7 +17,7 @@ import (
 const (
 	nfnlGroupNFTables  = 7  // NFNLGRP_NFTABLES
 	nfnlSubsysNFTables = 10 // NFNL_SUBSYS_NFTABLES
-	nftMsgNewGen       = 16 // NFT_MSG_NEWGEN
+	nftMsgNewGen       = 15 // NFT_MSG_NEWGEN
 	notifyBuffer       = 64 << 20
 )
 
