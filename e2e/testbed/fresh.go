@@ -57,23 +57,19 @@ func (tb *Testbed) FreshRules() (_ RuleDump, err error) {
 		return RuleDump{}, fmt.Errorf("fresh kpipe: kpipe runs with --nodeport-addresses=%s: its rules depend on the node's local addresses, which a fresh namespace does not have", cidrs)
 	}
 	n := freshRuns.Add(1)
-	ns := tb.nsName(fmt.Sprintf("fresh%d", n))
-	if err := tb.addNamespace(ns); err != nil {
+	node, err := tb.NewFreshNode(fmt.Sprintf("fresh%d", n))
+	if err != nil {
 		return RuleDump{}, fmt.Errorf("fresh kpipe: %w", err)
 	}
+	ns := node.NS
 	defer func() {
-		if rerr := tb.removeNamespace(ns); rerr != nil && err == nil {
+		if rerr := node.Close(); rerr != nil && err == nil {
 			err = fmt.Errorf("fresh kpipe: remove its namespace: %w", rerr)
 		}
 	}()
 	if err := tb.copyLiberalSysctl(ns); err != nil {
 		return RuleDump{}, fmt.Errorf("fresh kpipe: %w", err)
 	}
-	stopRelay, err := tb.relayAPIServer(ns)
-	if err != nil {
-		return RuleDump{}, fmt.Errorf("fresh kpipe: %w", err)
-	}
-	defer stopRelay()
 
 	fresh := &Kpipe{tb: tb, Bin: k.Bin, LogPath: tb.path(fmt.Sprintf("kpipe-fresh%d.log", n)), Args: args, ns: ns}
 	if err := fresh.Start(); err != nil {

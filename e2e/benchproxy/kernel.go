@@ -1,0 +1,177 @@
+package main
+
+import (
+	"crypto/sha256"
+	"encoding/base32"
+	"fmt"
+	"regexp"
+	"slices"
+	"strings"
+	"time"
+
+	"github.com/kpipe/kpipe/bus"
+	"github.com/kpipe/kpipe/e2e/testbed"
+	"github.com/kpipe/kpipe/netfilter"
+)
+
+// kernel reads what a proxy wrote in its node namespace: the endpoint
+// addresses a service's own chain sends to, from the kernel (iptables or nft
+// listing the chain), never from the proxy.
+type kernel struct {
+	node *testbed.FreshNode
+	nft  bool // kube-proxy's nftables mode (table ip kube-proxy); else iptables' nat table
+}
+
+var (
+	// "-A KUBE-SVC-X ... --comment "ns/svc:http -> 10.244.1.2:8080" ...": the
+	// endpoint rules of a service chain, kpipe's and kube-proxy's alike.
+	iptablesEndpoint = regexp.MustCompile(`-> (\d+\.\d+\.\d+\.\d+):\d+`)
+	// "... vmap { 0 : goto endpoint-HASH-ns/svc/tcp/http__10.244.1.2/8080, ...}".
+	nftEndpoint = regexp.MustCompile(`__(\d+\.\d+\.\d+\.\d+)/\d+`)
+)
+
+// chain names the chain of s's port as the proxy names it.
+func (k kernel) chain(s *benchService) string {
+	if k.nft {
+		name := fmt.Sprintf("%s/%s/tcp/%s", benchNamespace, s.svc.Name, portName)
+		sum := sha256.Sum256([]byte(name))
+		return "service-" + base32.StdEncoding.EncodeToString(sum[:])[:8] + "-" + name
+	}
+	return netfilter.ServiceChain(netfilter.PrefixService, bus.ServicePortName{
+		ServiceKey: bus.ServiceKey{Namespace: benchNamespace, Name: s.svc.Name}, Port: portName, Protocol: bus.TCP})
+}
+
+// endpoints are the addresses s's chain sends to now, sorted; none when the
+// chain does not exist (yet).
+func (k kernel) endpoints(s *benchService) []string {
+	var (
+		out string
+		err error
+	)
+	if k.nft {
+		out, err = k.node.Exec("nft", "list", "chain", "ip", "kube-proxy", k.chain(s))
+	} else {
+		out, err = k.node.Exec("iptables", "-w", "-t", "nat", "-S", k.chain(s))
+	}
+	if err != nil {
+		return nil
+	}
+	return k.addresses(out)
+}
+
+func (k kernel) addresses(text string) []string {
+	re := iptablesEndpoint
+	if k.nft {
+		re = nftEndpoint
+	}
+	var ips []string
+	for _, m := range re.FindAllStringSubmatch(text, -1) {
+		ips = append(ips, m[1])
+	}
+	slices.Sort(ips)
+	return ips
+}
+
+// waitFor polls s's chain until it sends to exactly s's endpoints now and
+// returns when it saw that.
+func (k kernel) waitFor(s *benchService, timeout time.Duration, alive func() error) (time.Time, error) {
+	want := s.want()
+	deadline := time.Now().Add(timeout)
+	for {
+		got := k.endpoints(s)
+		seen := time.Now()
+		if slices.Equal(got, want) {
+			return seen, nil
+		}
+		if err := alive(); err != nil {
+			return seen, err
+		}
+		if seen.After(deadline) {
+			return seen, fmt.Errorf("%s: chain %s sends to %v, not %v after %v", s.svc.Name, k.chain(s), got, want, timeout)
+		}
+		time.Sleep(2 * time.Millisecond)
+	}
+}
+
+// mismatches dumps the whole ruleset once and counts the services whose
+// chain does not send to exactly their endpoints; example describes one.
+func (k kernel) mismatches(svcs []*benchService) (n int, example string, err error) {
+	var out string
+	if k.nft {
+		out, err = k.node.Exec("nft", "list", "table", "ip", "kube-proxy")
+	} else {
+		out, err = k.node.Exec("iptables-save", "-t", "nat")
+	}
+	if err != nil {
+		return 0, "", err
+	}
+	chains := k.chainTexts(out)
+	for _, s := range svcs {
+		want := s.want()
+		if got := k.addresses(chains[k.chain(s)]); !slices.Equal(got, want) {
+			if n == 0 {
+				example = fmt.Sprintf("%s: chain %s sends to %v, not %v", s.svc.Name, k.chain(s), got, want)
+			}
+			n++
+		}
+	}
+	return n, example, nil
+}
+
+// chainTexts splits a dump into each chain's text.
+func (k kernel) chainTexts(dump string) map[string]string {
+	texts := map[string]*strings.Builder{}
+	add := func(chain, line string) {
+		b := texts[chain]
+		if b == nil {
+			b = &strings.Builder{}
+			texts[chain] = b
+		}
+		b.WriteString(line)
+		b.WriteByte('\n')
+	}
+	current := ""
+	for _, line := range strings.Split(dump, "\n") {
+		line = strings.TrimSpace(line)
+		if k.nft {
+			if name, ok := strings.CutPrefix(line, "chain "); ok {
+				current = strings.TrimSuffix(name, " {")
+			} else if current != "" {
+				add(current, line)
+			}
+			continue
+		}
+		if rest, ok := strings.CutPrefix(line, "-A "); ok {
+			chain, _, _ := strings.Cut(rest, " ")
+			add(chain, line)
+		}
+	}
+	out := make(map[string]string, len(texts))
+	for c, b := range texts {
+		out[c] = b.String()
+	}
+	return out
+}
+
+// waitAll waits until every service's chain sends to exactly its endpoints,
+// dumping the ruleset again and again, and returns when a dump showed it.
+func (k kernel) waitAll(svcs []*benchService, timeout time.Duration, alive func() error) (time.Time, error) {
+	deadline := time.Now().Add(timeout)
+	for {
+		n, example, err := k.mismatches(svcs)
+		seen := time.Now()
+		if err == nil && n == 0 {
+			return seen, nil
+		}
+		if aerr := alive(); aerr != nil {
+			return seen, aerr
+		}
+		if seen.After(deadline) {
+			if err != nil {
+				return seen, err
+			}
+			return seen, fmt.Errorf("%d of %d services not as in the API after %v, e.g. %s", n, len(svcs), timeout, example)
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+}

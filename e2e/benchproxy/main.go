@@ -1,0 +1,376 @@
+// Command benchproxy measures kpipe and upstream kube-proxy (iptables and
+// nftables modes) side by side against the e2e test bed's real
+// kube-apiserver: N services (a tenth NodePort) with 10 endpoints each, the
+// proxies one after the other, each in a fresh node namespace with the same
+// flags, at --iptables-min-sync-period 1s and 0. Every figure of rules comes
+// from the kernel (iptables or nft listing a chain, nf_tables notifications), none from
+// a proxy's own metrics. Needs root. Run from the repository:
+//
+//	go tool task bench-proxy                 # BENCH_N=1000
+//	BENCH_N=10000 go tool task bench-proxy   # about 40 minutes on 2 cores
+//
+// BENCH_N is one size or several ("1000,10000"); BENCH_PROXIES a subset of
+// "kpipe,iptables,nftables"; BENCH_MIN_SYNC the min-sync-periods ("1s,0s");
+// BENCH_KEEP=1 keeps the run dir (the proxies' logs).
+package main
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"math/rand/v2"
+	"os"
+	"os/signal"
+	"slices"
+	"strconv"
+	"strings"
+	"syscall"
+	"time"
+
+	"github.com/kpipe/kpipe/e2e/testbed"
+)
+
+const (
+	changeCount  = 50   // endpoint changes per latency series
+	churnUpdates = 2000 // endpoint changes in the churn
+	churnSpread  = 10 * time.Second
+	syncPeriod   = "30s" // kube-proxy's default, given to all
+)
+
+var allProxies = []string{"kpipe", "iptables", "nftables"}
+
+func main() { os.Exit(run()) }
+
+func logf(format string, args ...any) {
+	fmt.Fprintf(os.Stderr, "bench-proxy: "+format+"\n", args...)
+}
+
+type config struct {
+	sizes    []int
+	proxies  []string
+	minSyncs []time.Duration
+}
+
+func readConfig() (config, error) {
+	var c config
+	for _, f := range list("BENCH_N", "1000") {
+		n, err := strconv.Atoi(f)
+		if err != nil || n < 1 {
+			return c, fmt.Errorf("BENCH_N: %q is not a positive number", f)
+		}
+		c.sizes = append(c.sizes, n)
+	}
+	slices.Sort(c.sizes)
+	for _, p := range list("BENCH_PROXIES", strings.Join(allProxies, ",")) {
+		if !slices.Contains(allProxies, p) {
+			return c, fmt.Errorf("BENCH_PROXIES: unknown proxy %q (have %v)", p, allProxies)
+		}
+		c.proxies = append(c.proxies, p)
+	}
+	for _, f := range list("BENCH_MIN_SYNC", "1s,0s") {
+		d, err := time.ParseDuration(f)
+		if err != nil || d < 0 {
+			return c, fmt.Errorf("BENCH_MIN_SYNC: %q is not a duration", f)
+		}
+		c.minSyncs = append(c.minSyncs, d)
+	}
+	return c, nil
+}
+
+// list is the comma-separated environment variable name, def when unset.
+func list(name, def string) []string {
+	v := os.Getenv(name)
+	if strings.TrimSpace(v) == "" {
+		v = def
+	}
+	var out []string
+	for _, f := range strings.Split(v, ",") {
+		if f = strings.TrimSpace(f); f != "" {
+			out = append(out, f)
+		}
+	}
+	return out
+}
+
+func run() int {
+	cfg, err := readConfig()
+	if err != nil {
+		logf("%v", err)
+		return 2
+	}
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	defer stop()
+	began := time.Now()
+	tb, err := testbed.New(ctx, testbed.Config{Pods: 1, Logf: logf, KeepDir: os.Getenv("BENCH_KEEP") != ""})
+	if err != nil {
+		logf("test bed: %v", err)
+		return 1
+	}
+	defer closeTestbed(tb)
+	bins, err := binaries(tb)
+	if err != nil {
+		logf("%v", err)
+		return 1
+	}
+	w, err := newWorkload(ctx, tb)
+	if err != nil {
+		logf("%v", err)
+		return 1
+	}
+	failed := false
+	results := map[runKey]result{}
+	seq := 0
+	for _, n := range cfg.sizes {
+		t := time.Now()
+		if err := w.grow(ctx, n); err != nil {
+			logf("create %d services: %v", n, err)
+			return 1
+		}
+		logf("%d services with %d endpoints each in the API (%v)", n, endpointsPerSvc, time.Since(t).Round(time.Millisecond))
+		printHeader(n)
+		for _, proxy := range cfg.proxies {
+			for _, minSync := range cfg.minSyncs {
+				seq++
+				k := runKey{n, proxy, minSync}
+				r, err := benchOne(ctx, tb, w, proxy, bins[proxy], minSync, seq)
+				if err != nil {
+					failed = true
+					fmt.Printf("%-9s %-8v FAILED: %v\n", proxy, minSync, err)
+					if ctx.Err() != nil {
+						return 1
+					}
+					continue
+				}
+				results[k] = r
+				printRow(proxy, minSync, r)
+			}
+		}
+	}
+	printRatios(cfg, results)
+	logf("done in %v (test bed %s)", time.Since(began).Round(time.Second), tb.Dir)
+	if failed {
+		return 1
+	}
+	return 0
+}
+
+// closeTestbed removes the test bed: processes, namespaces, run dir.
+func closeTestbed(tb *testbed.Testbed) {
+	if err := tb.Close(); err != nil {
+		logf("cleanup: %v", err)
+	}
+}
+
+// binaries are the proxies' executables: kpipe built from this tree,
+// kube-proxy built and cached with the control plane.
+func binaries(tb *testbed.Testbed) (map[string]string, error) {
+	k, err := tb.BuildKpipe()
+	if err != nil {
+		return nil, fmt.Errorf("build kpipe: %w", err)
+	}
+	kp, err := tb.KubeProxy("iptables", logf)
+	if err != nil {
+		return nil, fmt.Errorf("kube-proxy: %w", err)
+	}
+	return map[string]string{"kpipe": k.Bin, "iptables": kp.Bin, "nftables": kp.Bin}, nil
+}
+
+// proxyArgs are the flags every proxy runs with: kpipe takes kube-proxy's.
+// --conntrack-max-per-core 0 leaves nf_conntrack_max alone (a namespace
+// cannot set it).
+func proxyArgs(tb *testbed.Testbed, mode string, minSync time.Duration) []string {
+	return []string{
+		"--kubeconfig", tb.Kubeconfig,
+		"--hostname-override", testbed.NodeName,
+		"--proxy-mode", mode,
+		"--cluster-cidr", testbed.ClusterCIDR,
+		"--iptables-min-sync-period", minSync.String(),
+		"--iptables-sync-period", syncPeriod,
+		"--healthz-bind-address", "127.0.0.1:10256",
+		"--metrics-bind-address", "127.0.0.1:10249",
+		"--conntrack-max-per-core", "0",
+	}
+}
+
+type runKey struct {
+	n       int
+	proxy   string
+	minSync time.Duration
+}
+
+type result struct {
+	firstSync  time.Duration
+	isolated   []time.Duration // sorted
+	backToBack []time.Duration // sorted
+	churnTook  time.Duration
+	churnTxns  int
+	churnBytes int
+	churnLost  bool // notifications were lost: the counts are low
+	converge   time.Duration
+	usage      usage
+}
+
+// benchOne runs proxy in a fresh node namespace through every phase.
+func benchOne(ctx context.Context, tb *testbed.Testbed, w *workload, proxy, bin string, minSync time.Duration, seq int) (r result, err error) {
+	node, err := tb.NewFreshNode(fmt.Sprintf("bench%d", seq))
+	if err != nil {
+		return r, err
+	}
+	defer func() { err = errors.Join(err, node.Close()) }()
+	mode := proxy
+	if proxy == "kpipe" {
+		mode = "iptables"
+	}
+	k := kernel{node: node, nft: proxy == "nftables"}
+
+	// First sync: from the start to the last service's chain complete.
+	start := time.Now()
+	p, err := node.Start(fmt.Sprintf("bench-%d-%s", seq, proxy), append([]string{bin}, proxyArgs(tb, mode, minSync)...)...)
+	if err != nil {
+		return r, err
+	}
+	defer func() { _ = p.Stop(15 * time.Second) }()
+	alive := func() error {
+		if p.Exited() {
+			return fmt.Errorf("%s exited: %v\n--- log (%s):\n%s", proxy, p.ExitErr(), p.LogPath, p.Tail(20))
+		}
+		return ctx.Err()
+	}
+	pid, err := proxyPID(p.PID(), bin)
+	if err != nil {
+		return r, err
+	}
+	seen, err := k.waitFor(w.svcs[len(w.svcs)-1], 15*time.Minute, alive)
+	if err != nil {
+		return r, fmt.Errorf("first sync: %w", err)
+	}
+	r.firstSync = seen.Sub(start)
+	if _, err := k.waitAll(w.svcs, time.Minute, alive); err != nil {
+		return r, fmt.Errorf("after the first sync: %w", err)
+	}
+
+	// One endpoint change at a time: isolated (the proxy idle, its min-sync
+	// period passed), then back to back.
+	if r.isolated, err = latencies(ctx, w, k, alive, minSync+100*time.Millisecond); err != nil {
+		return r, fmt.Errorf("isolated changes: %w", err)
+	}
+	if r.backToBack, err = latencies(ctx, w, k, alive, 0); err != nil {
+		return r, fmt.Errorf("back-to-back changes: %w", err)
+	}
+
+	// Churn, its writes counted by the kernel's notifications from its start
+	// to convergence.
+	writes, err := countWrites(tb, node.NS)
+	if err != nil {
+		return r, err
+	}
+	defer writes.stop()
+	last, lastSvc, took, err := w.churn(ctx, churnUpdates, churnSpread)
+	if err != nil {
+		return r, fmt.Errorf("churn: %w", err)
+	}
+	r.churnTook = took
+	// The last update's chain is cheap to poll; a dump then shows whether
+	// everything else was there too, or is waited for.
+	seen, err = k.waitFor(lastSvc, 5*time.Minute, alive)
+	if err != nil {
+		return r, fmt.Errorf("after the churn: %w", err)
+	}
+	if n, _, err := k.mismatches(w.svcs); err != nil || n > 0 {
+		if seen, err = k.waitAll(w.svcs, 5*time.Minute, alive); err != nil {
+			return r, fmt.Errorf("after the churn: %w", err)
+		}
+	}
+	r.converge = seen.Sub(last)
+	r.churnTxns, r.churnBytes, r.churnLost = writes.stop()
+	if r.usage, err = readUsage(pid); err != nil {
+		return r, err
+	}
+	logf("%s min-sync %v: log %s", proxy, minSync, p.LogPath)
+	return r, nil
+}
+
+// latencies makes changeCount endpoint changes, each at a random service,
+// the next gap after the previous one showed in the kernel, and returns how
+// long each took from the API write to the kernel, sorted.
+func latencies(ctx context.Context, w *workload, k kernel, alive func() error, gap time.Duration) ([]time.Duration, error) {
+	out := make([]time.Duration, 0, changeCount)
+	for range changeCount {
+		time.Sleep(gap)
+		s := w.svcs[rand.IntN(len(w.svcs))]
+		t := time.Now()
+		if err := w.replaceEndpoint(ctx, s); err != nil {
+			return nil, err
+		}
+		seen, err := k.waitFor(s, 2*time.Minute, alive)
+		if err != nil {
+			return nil, err
+		}
+		out = append(out, seen.Sub(t))
+	}
+	slices.Sort(out)
+	return out, nil
+}
+
+// percentile is the nearest-rank p-th percentile of sorted.
+func percentile(sorted []time.Duration, p int) time.Duration {
+	i := (len(sorted)*p+99)/100 - 1
+	return sorted[max(i, 0)]
+}
+
+func ms(d time.Duration) string {
+	return strconv.FormatInt(d.Round(time.Millisecond).Milliseconds(), 10)
+}
+
+func printHeader(n int) {
+	fmt.Printf("\nN=%d services x %d endpoints (every %dth NodePort); times in ms; churn: %d updates paced over %v\n",
+		n, endpointsPerSvc, nodePortEvery, churnUpdates, churnSpread)
+	fmt.Printf("%-9s %-8s %10s %15s %15s %9s %6s %11s %9s %8s %7s\n",
+		"proxy", "min-sync", "first-sync", "isolated p50/99", "b2b p50/99", "churn-api", "txns", "bytes", "converge", "RSS-MiB", "CPU-s")
+}
+
+func printRow(proxy string, minSync time.Duration, r result) {
+	lost := ""
+	if r.churnLost {
+		lost = " (notifications lost: txns and bytes low)"
+	}
+	fmt.Printf("%-9s %-8v %10s %15s %15s %9s %6d %11d %9s %8.1f %7.1f%s\n",
+		proxy, minSync, ms(r.firstSync),
+		ms(percentile(r.isolated, 50))+"/"+ms(percentile(r.isolated, 99)),
+		ms(percentile(r.backToBack, 50))+"/"+ms(percentile(r.backToBack, 99)),
+		ms(r.churnTook), r.churnTxns, r.churnBytes, ms(r.converge),
+		float64(r.usage.peakRSSKiB)/1024, r.usage.cpu.Seconds(), lost)
+}
+
+// printRatios prints kpipe's figures over kube-proxy's at the largest N, per
+// mode and min-sync period.
+func printRatios(cfg config, results map[runKey]result) {
+	n := cfg.sizes[len(cfg.sizes)-1]
+	fmt.Printf("\nkpipe/kube-proxy ratios at N=%d (below 1: kpipe less)\n", n)
+	ratio := func(a, b float64) string {
+		if b == 0 {
+			return "-"
+		}
+		return strconv.FormatFloat(a/b, 'f', 2, 64)
+	}
+	dur := func(a, b time.Duration) string { return ratio(float64(a), float64(b)) }
+	for _, minSync := range cfg.minSyncs {
+		kp, ok := results[runKey{n, "kpipe", minSync}]
+		if !ok {
+			continue
+		}
+		for _, mode := range []string{"iptables", "nftables"} {
+			up, ok := results[runKey{n, mode, minSync}]
+			if !ok {
+				continue
+			}
+			fmt.Printf("kpipe/%s min-sync %v: first-sync %s, isolated p50 %s p99 %s, b2b p50 %s p99 %s, churn txns %s bytes %s converge %s, RSS %s, CPU %s\n",
+				mode, minSync, dur(kp.firstSync, up.firstSync),
+				dur(percentile(kp.isolated, 50), percentile(up.isolated, 50)), dur(percentile(kp.isolated, 99), percentile(up.isolated, 99)),
+				dur(percentile(kp.backToBack, 50), percentile(up.backToBack, 50)), dur(percentile(kp.backToBack, 99), percentile(up.backToBack, 99)),
+				ratio(float64(kp.churnTxns), float64(up.churnTxns)), ratio(float64(kp.churnBytes), float64(up.churnBytes)),
+				dur(kp.converge, up.converge),
+				ratio(float64(kp.usage.peakRSSKiB), float64(up.usage.peakRSSKiB)), dur(kp.usage.cpu, up.usage.cpu))
+		}
+	}
+}
