@@ -2,7 +2,9 @@ package e2e
 
 import (
 	"errors"
+	"os"
 	"os/exec"
+	"path/filepath"
 	"strings"
 	"testing"
 	"time"
@@ -70,6 +72,38 @@ func leftovers(t *testing.T) []string {
 	return left
 }
 
+// removeKubeFirewall removes what --cleanup leaves on purpose, as upstream's
+// does (KUBE-FIREWALL, shared with the kubelet, and the jumps to it), so that
+// the next kpipe programs the node as a fresh one: it puts its jumps in
+// front in its own order, and later comparisons with a fresh kpipe's rules
+// (requireLikeFresh) hold.
+func removeKubeFirewall(t *testing.T) {
+	t.Helper()
+	for _, family := range []string{"iptables", "ip6tables"} {
+		save, err := tb.Exec(tb.NodeNS, family+"-save", "-t", "filter")
+		if err != nil {
+			t.Fatalf("%s-save: %v", family, err)
+		}
+		if !strings.Contains(save, ":KUBE-FIREWALL ") {
+			continue
+		}
+		payload := "*filter\n"
+		for _, l := range strings.Split(save, "\n") {
+			if strings.HasPrefix(l, "-A ") && !strings.HasPrefix(l, "-A KUBE-FIREWALL ") && strings.HasSuffix(l, "-j KUBE-FIREWALL") {
+				payload += "-D" + strings.TrimPrefix(l, "-A") + "\n"
+			}
+		}
+		payload += "-F KUBE-FIREWALL\n-X KUBE-FIREWALL\nCOMMIT\n"
+		file := filepath.Join(t.TempDir(), family+".rules")
+		if err := os.WriteFile(file, []byte(payload), 0o644); err != nil {
+			t.Fatal(err)
+		}
+		if out, err := tb.Exec(tb.NodeNS, family+"-restore", "-w", "5", "--noflush", file); err != nil {
+			t.Fatalf("%s-restore (remove KUBE-FIREWALL): %v %s", family, err, out)
+		}
+	}
+}
+
 // kpipeChain says whether --cleanup must delete chain: kube-proxy's --cleanup
 // leaves KUBE-FIREWALL, which kubelet owns too.
 func kpipeChain(chain string) bool {
@@ -106,7 +140,8 @@ func TestCleanupRemovesKpipeRules(t *testing.T) {
 		_, _ = tb.Exec(tb.NodeNS, "iptables", "-w", "-t", "nat", "-X", "CNI-HOSTPORT-DNAT")
 	})
 
-	e.restoreKpipeAtEnd() // kpipe comes back with the test bed's defaults
+	e.restoreKpipeAtEnd()                       // kpipe comes back with the test bed's defaults
+	t.Cleanup(func() { removeKubeFirewall(t) }) // runs first: kpipe then starts as on a fresh node
 	if err := e.k.Stop(); err != nil {
 		t.Fatalf("stop kpipe: %v", err)
 	}

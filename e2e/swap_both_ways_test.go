@@ -82,6 +82,7 @@ func TestSwapKubeProxyIPTablesKpipeBothWays(t *testing.T) {
 	if left := leftovers(t); len(left) > 0 {
 		t.Fatalf("kpipe --cleanup left %v", left)
 	}
+	removeKubeFirewall(t)
 	e.runKubeProxy(kp)
 	tr.start()
 	tr.keepsAnswering("kube-proxy (iptables) running")
