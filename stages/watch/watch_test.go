@@ -354,18 +354,7 @@ func TestStageSendsChanges(t *testing.T) {
 
 func TestStageInvalidServiceIsCountedAndDoesNotStopOthers(t *testing.T) {
 	ctx := context.Background()
-	// What watch sends, before the queue folds an object's changes into its latest.
-	var mu sync.Mutex
-	var zones []string
-	h := startStageWith(t, func(s *Stage) {
-		s.beforeSend = func(c bus.Change) {
-			if c.Kind == bus.NodeChanged {
-				mu.Lock()
-				defer mu.Unlock()
-				zones = append(zones, c.Node.Zone)
-			}
-		}
-	}, node("node-1"))
+	h := startStage(t, node("node-1"))
 	h.nextReplay()
 	h.waitWatches()
 	svcs := h.client.CoreV1().Services("ns")
