@@ -120,6 +120,21 @@ func (h *harness) answer(f bus.Family, s *bus.Snapshot, ok bool) {
 	h.fams[f].Results.Put(r)
 }
 
+// committedThenPartial sends a replay of service A and commits its full
+// snapshot, then changes service B and returns the partial snapshot that
+// follows (IPv4).
+func (h *harness) committedThenPartial() *bus.Snapshot {
+	h.t.Helper()
+	h.send(replayOf(svc(keyA, "10.96.0.1")))
+	h.answer(bus.IPv4, h.take(bus.IPv4), true)
+	h.send(bus.Change{Kind: bus.ServiceChanged, Key: keyB, Service: svc(keyB, "10.96.0.2")})
+	s2 := h.take(bus.IPv4)
+	if s2.Full {
+		h.t.Fatal("second snapshot is Full; the test needs a partial one")
+	}
+	return s2
+}
+
 // eventually polls cond until it holds.
 func eventually(t *testing.T, what string, cond func() bool) {
 	t.Helper()
@@ -256,14 +271,7 @@ func TestAtMostOneSnapshotInFlight(t *testing.T) {
 
 func TestResyncSendsFullSnapshotWhileOneIsInFlight(t *testing.T) {
 	h := start(t, coalesce.Config{})
-	h.send(replayOf(svc(keyA, "10.96.0.1")))
-	s1 := h.take(bus.IPv4)
-	h.answer(bus.IPv4, s1, true)
-	h.send(bus.Change{Kind: bus.ServiceChanged, Key: keyB, Service: svc(keyB, "10.96.0.2")})
-	s2 := h.take(bus.IPv4)
-	if s2.Full {
-		t.Fatal("second snapshot is Full; the test needs a partial one")
-	}
+	s2 := h.committedThenPartial()
 
 	h.fams[bus.IPv4].Resync.Raise()
 	s3 := h.take(bus.IPv4)
@@ -294,14 +302,7 @@ func TestFailedCommitRetriesFullAfterBackoff(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		const period = 300 * time.Millisecond
 		h := start(t, coalesce.Config{MinSyncPeriod: period, Burst: 2})
-		h.send(replayOf(svc(keyA, "10.96.0.1")))
-		s1 := h.take(bus.IPv4)
-		h.answer(bus.IPv4, s1, true)
-		h.send(bus.Change{Kind: bus.ServiceChanged, Key: keyB, Service: svc(keyB, "10.96.0.2")})
-		s2 := h.take(bus.IPv4)
-		if s2.Full {
-			t.Fatal("second snapshot is Full; the test needs a partial one")
-		}
+		s2 := h.committedThenPartial()
 
 		// Let the rate limiter refill, so that only the backoff can hold the retry back.
 		time.Sleep(2 * period)
