@@ -309,6 +309,17 @@ func (l *loop) finish() (int, []string, map[string]int) {
 	return l.ok, l.failures, l.seen
 }
 
+// finishWithNoFailure stops the loop, logs what it saw under what, and fails
+// the test (not at once) if any of its connections failed.
+func (l *loop) finishWithNoFailure(t *testing.T, what string) {
+	t.Helper()
+	ok, failures, seen := l.finish()
+	t.Logf("%s: %d connections answered, %d failed, by endpoint %v", what, ok, len(failures), seen)
+	if len(failures) > 0 {
+		t.Errorf("%s: %d of %d connections failed:\n%s", what, len(failures), ok+len(failures), strings.Join(failures, "\n"))
+	}
+}
+
 func since(start time.Time) time.Duration { return time.Since(start).Round(time.Millisecond) }
 
 // answeringEcho sets up the common case: a TCP echo service on port 80 with
