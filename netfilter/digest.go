@@ -666,3 +666,12 @@ func (t Tool) netlinkChainNames(ctx context.Context, table string) ([]string, er
 	slices.Sort(names)
 	return names, nil
 }
+
+// OnNFTables says whether family's iptables is the nf_tables backend (false
+// when iptables does not answer).
+func OnNFTables(family bus.Family) bool {
+	ctx, cancel := context.WithTimeout(context.Background(), versionWait)
+	defer cancel()
+	nft, err := Tool{Family: family}.onNFTables(ctx)
+	return err == nil && nft
+}

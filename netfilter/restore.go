@@ -2,13 +2,60 @@ package netfilter
 
 import (
 	"context"
+	"errors"
 	"maps"
 	"slices"
+	"sync/atomic"
 )
 
-// Restore feeds payload to iptables-restore without flushing the tables: only the
-// chains the payload declares are replaced, and each table is replaced atomically.
+// Writer is how Restore writes a payload.
+type Writer uint8
+
+const (
+	// WriterNetlink writes straight to nf_tables over netlink when the host's
+	// iptables is the nf_tables backend, with the encodings iptables-nft uses;
+	// anything it does not translate, or that the kernel refuses from it, goes
+	// to iptables-restore instead. On the legacy backend it is iptables-restore.
+	WriterNetlink Writer = iota
+	// WriterRestore always runs iptables-restore.
+	WriterRestore
+)
+
+// NetlinkFallbacks counts the payloads the netlink writer translated but the
+// kernel refused, which iptables-restore then wrote (or refused too).
+var NetlinkFallbacks atomic.Uint64
+
+// Restore applies payload without flushing the tables: only the chains the
+// payload declares are replaced, and each table section is one transaction.
 func (t Tool) Restore(ctx context.Context, payload []byte) error {
+	if t.Writer == WriterNetlink {
+		if nft, err := t.onNFTables(ctx); err == nil && nft {
+			err := t.RestoreNetlink(ctx, payload)
+			if err == nil || ctx.Err() != nil {
+				return err
+			}
+			if !errors.Is(err, ErrUntranslatable) {
+				NetlinkFallbacks.Add(1)
+			}
+		}
+	}
+	return t.restoreTool(ctx, payload)
+}
+
+// RestoreNetlink writes payload over nf_tables netlink only, as Restore's
+// netlink writer does, without falling back: ErrUntranslatable when the payload
+// has anything it does not encode as iptables-nft would (the payload must then
+// go to iptables-restore), else the kernel's answer. The tables must exist.
+func (t Tool) RestoreNetlink(ctx context.Context, payload []byte) error {
+	sections, err := translatePayload(t.Family, payload)
+	if err != nil {
+		return err
+	}
+	return writeBatches(ctx, t.Family, sections)
+}
+
+// restoreTool feeds payload to iptables-restore --noflush.
+func (t Tool) restoreTool(ctx context.Context, payload []byte) error {
 	_, err := t.runTool(ctx, t.binary("-restore"), payload, "-w", lockWait, "--noflush", "--counters")
 	return err
 }

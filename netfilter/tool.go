@@ -21,6 +21,8 @@ type Tool struct {
 	// backend is "" for the host's default iptables, or "-legacy" (tests use it to
 	// reach the xtables lock, which the nf_tables backend does not take).
 	backend string
+	// Writer is how Restore writes (the zero value: over netlink).
+	Writer Writer
 }
 
 // lockWait is how long an iptables tool waits for the xtables lock (-w) before it

@@ -14,6 +14,7 @@ import (
 	kubeproxy "k8s.io/kube-proxy/config/v1alpha1"
 
 	"github.com/kpipe/kpipe/bus"
+	nf "github.com/kpipe/kpipe/netfilter"
 	"github.com/kpipe/kpipe/stages/render"
 )
 
@@ -40,6 +41,7 @@ type Options struct {
 	LocalhostNodePorts  bool          `json:"localhostNodePorts"`
 	LogFormat           string        `json:"logFormat"`
 	LogLevel            string        `json:"logLevel"`
+	IptablesWriter      string        `json:"iptablesWriter"`
 	KubeAPIQPS          float32       `json:"qps"`
 	KubeAPIBurst        int           `json:"burst"`
 	KubeAPIContentType  string        `json:"contentType"`
@@ -77,6 +79,7 @@ func defaultOptions() *Options {
 		LocalhostNodePorts: true,
 		LogFormat:          "text",
 		LogLevel:           "info",
+		IptablesWriter:     "netlink",
 		KubeAPIQPS:         5,
 		KubeAPIBurst:       10,
 		KubeAPIContentType: "application/vnd.kubernetes.protobuf",
@@ -120,6 +123,7 @@ func (o *Options) addFlags(fs *pflag.FlagSet) {
 	fs.BoolVar(&o.LocalhostNodePorts, "iptables-localhost-nodeports", o.LocalhostNodePorts, "Let NodePorts answer on 127.0.0.1 (sets route_localnet).")
 	fs.StringVar(&o.LogFormat, "log-format", o.LogFormat, "Log format: text or json.")
 	fs.StringVar(&o.LogLevel, "log-level", o.LogLevel, "Log level: debug, info, warn or error.")
+	fs.StringVar(&o.IptablesWriter, "iptables-writer", o.IptablesWriter, "How rules are written: 'netlink' (straight to nf_tables, as iptables-nft would write them; iptables-restore on the legacy backend) or 'restore' (always iptables-restore).")
 	o.addKubeProxyFlags(fs)
 }
 
@@ -206,6 +210,9 @@ func (o *Options) complete() error {
 	}
 	if _, err := parseLevel(o.LogLevel); err != nil {
 		return usageError{err}
+	}
+	if _, err := o.writer(); err != nil {
+		return err
 	}
 	o.HealthzBindAddress = withDefaultPort(o.HealthzBindAddress, healthzPort)
 	o.MetricsBindAddress = withDefaultPort(o.MetricsBindAddress, metricsPort)
@@ -295,4 +302,15 @@ func ofFamily(ps []netip.Prefix, f bus.Family) []netip.Prefix {
 		}
 	}
 	return out
+}
+
+// writer is how the commit stage writes rules (--iptables-writer).
+func (o *Options) writer() (nf.Writer, error) {
+	switch o.IptablesWriter {
+	case "netlink", "":
+		return nf.WriterNetlink, nil
+	case "restore":
+		return nf.WriterRestore, nil
+	}
+	return 0, usagef("--iptables-writer %q: must be netlink or restore", o.IptablesWriter)
 }

@@ -57,11 +57,19 @@ func serve(ctx context.Context, o *Options) error {
 func realDeps(o *Options, log *slog.Logger) (deps, error) {
 	d := deps{kernels: map[bus.Family]commit.Kernel{}, canaries: map[bus.Family]canary.Canaries{},
 		conntrack: func() (conntrack.Clearer, error) { return nf.DialConntrack() }, registry: prometheus.NewRegistry()}
+	writer, err := o.writer()
+	if err != nil {
+		return deps{}, err
+	}
 	for _, f := range hostFamilies(log) {
-		d.kernels[f], d.canaries[f] = nf.Tool{Family: f}, nf.Tool{Family: f}
+		d.kernels[f], d.canaries[f] = nf.Tool{Family: f, Writer: writer}, nf.Tool{Family: f}
 	}
 	d.registry.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	d.metrics = metrics.New(d.registry)
+	d.registry.MustRegister(prometheus.NewCounterFunc(prometheus.CounterOpts{
+		Name: "kpipe_netlink_writer_fallbacks_total",
+		Help: "Rule writes the netlink writer encoded but the kernel refused, which iptables-restore then made (or was refused too).",
+	}, func() float64 { return float64(nf.NetlinkFallbacks.Load()) }))
 	d.registry.MustRegister(metrics.NFAcct{Reader: nf.NFAcct{}, InvalidDropped: nf.NFAcctInvalidDropped, LocalhostNodePorts: nf.NFAcctLocalhostNodePorts, Log: log})
 	return d.reconfigured(o, log)
 }

@@ -7,6 +7,7 @@ import (
 	"slices"
 	"strings"
 	"sync"
+	"syscall"
 	"time"
 )
 
@@ -162,6 +163,20 @@ func (k *Kpipe) Stop() error {
 		return nil
 	}
 	return p.Stop(15 * time.Second)
+}
+
+// Pause freezes kpipe with SIGSTOP: it keeps its state, and its rules stay in
+// the kernel, but it reacts to nothing (nf_tables notifications queue in its
+// socket) until resume sends SIGCONT.
+func (k *Kpipe) Pause() (resume func() error, err error) {
+	p := k.current()
+	if p == nil || p.Exited() {
+		return nil, fmt.Errorf("pause kpipe: not running")
+	}
+	if err := syscall.Kill(p.PID(), syscall.SIGSTOP); err != nil {
+		return nil, fmt.Errorf("pause kpipe: %w", err)
+	}
+	return func() error { return syscall.Kill(p.PID(), syscall.SIGCONT) }, nil
 }
 
 func (k *Kpipe) current() *Process {

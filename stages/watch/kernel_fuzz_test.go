@@ -2,7 +2,6 @@ package watch
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"net/netip"
 	"os/exec"
@@ -19,6 +18,7 @@ import (
 	"github.com/kpipe/kpipe/bus"
 	nf "github.com/kpipe/kpipe/netfilter"
 	"github.com/kpipe/kpipe/netfilter/netnstest"
+	"github.com/kpipe/kpipe/netfilter/writertest"
 	"github.com/kpipe/kpipe/stages/render"
 )
 
@@ -37,7 +37,7 @@ func FuzzWatchRenderKernel(f *testing.F) {
 			netnstest.Unavailable(f, tool+" not installed (go tool task setup)")
 		}
 	}
-	ns := netnstest.New(f)
+	beds := map[bus.Family]*writertest.Bed{bus.IPv4: writertest.New(f, bus.IPv4), bus.IPv6: writertest.New(f, bus.IPv6)}
 	fuzzObjects(f, func(t *testing.T, svc *corev1.Service, slices []*discoveryv1.EndpointSlice) {
 		// Bound the chains (ports) and endpoint rules (ports × endpoints) so
 		// an input takes well under a second; the conversion target and the
@@ -61,19 +61,30 @@ func FuzzWatchRenderKernel(f *testing.F) {
 			if !strings.Contains(payload, `"fuzz/other:http cluster IP"`) {
 				t.Fatalf("%v: the well-formed service has no rules:\n%s", fam, payload)
 			}
-			ns.Run(t, func() error {
-				defer reset(t, fam)
-				tool := nf.Tool{Family: fam}
-				for _, run := range []string{"first", "second"} {
+			// Both writers, each into its own namespace, twice (the second
+			// time over the first, as every later sync), must leave the same
+			// rules: iptables-save byte for byte, the same expressions.
+			bed := beds[fam]
+			bed.Reset(t)
+			for _, run := range []string{"first", "second"} {
+				bed.Restore.Run(t, func() error {
 					ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
-					err := tool.Restore(ctx, []byte(payload))
-					cancel()
-					if err != nil {
+					defer cancel()
+					if err := (nf.Tool{Family: fam, Writer: nf.WriterRestore}).Restore(ctx, []byte(payload)); err != nil {
 						return fmt.Errorf("%v: the kernel refused the %s restore: %w\n%s", fam, run, err, around(payload, err))
 					}
-				}
-				return nil
-			})
+					return nil
+				})
+				bed.Netlink.Run(t, func() error {
+					ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+					defer cancel()
+					if err := (nf.Tool{Family: fam}).RestoreNetlink(ctx, []byte(payload)); err != nil {
+						return fmt.Errorf("%v: the netlink writer's %s write failed: %w", fam, run, err)
+					}
+					return nil
+				})
+				bed.RequireSame(t, fmt.Sprintf("%v, %s write", fam, run))
+			}
 		}
 	})
 }
@@ -138,20 +149,6 @@ func assemble(p *bus.Plan) string {
 		}
 	}
 	return b.String()
-}
-
-// reset empties the namespace's nat and filter tables of fam (a restore
-// without --noflush): the namespace is the test's own.
-func reset(t *testing.T, fam bus.Family) {
-	name := "iptables-restore"
-	if fam == bus.IPv6 {
-		name = "ip6tables-restore"
-	}
-	cmd := exec.Command(name, "-w", "5")
-	cmd.Stdin = strings.NewReader("*nat\nCOMMIT\n*filter\nCOMMIT\n")
-	if out, err := cmd.CombinedOutput(); err != nil {
-		t.Fatal(errors.Join(fmt.Errorf("empty the test namespace's tables: %w", err), errors.New(string(out))))
-	}
 }
 
 var failedLine = regexp.MustCompile(`line (\d+) failed`)

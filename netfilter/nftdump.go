@@ -1,0 +1,63 @@
+package netfilter
+
+import (
+	"context"
+	"fmt"
+
+	"github.com/mdlayher/netlink"
+)
+
+// ChainExpressions lists the rules of one chain as the kernel holds them, each
+// as its expressions ("name hex-of-data"): what two rule sets differ in when
+// their digests differ, for tests and debugging. nf_tables backend only.
+func (t Tool) ChainExpressions(ctx context.Context, table, chain string) ([][]string, error) {
+	n, done, err := t.openReader(ctx, table)
+	if err != nil {
+		return nil, err
+	}
+	defer done()
+	req, err := n.request(nftMsgGetRule, netlink.Dump, func(ae *netlink.AttributeEncoder) {
+		ae.String(nftaRuleTable, table)
+		ae.String(nftaRuleChain, chain)
+	})
+	if err != nil {
+		return nil, err
+	}
+	var out [][]string
+	err = n.query(req, nftMsgNewRule, func(a []byte) error {
+		r, err := decodeRule(a)
+		if err != nil {
+			return err
+		}
+		var exprs []string
+		err = forEachAttr(r.exprs, func(_ uint16, elem []byte) error {
+			var e string
+			err := forEachAttr(elem, func(typ uint16, v []byte) error {
+				switch typ {
+				case nftaExprName:
+					e = string(cString(v)) + e
+				case nftaExprData:
+					e += fmt.Sprintf(" %x", v)
+				}
+				return nil
+			})
+			exprs = append(exprs, e)
+			return err
+		})
+		out = append(out, exprs)
+		return err
+	})
+	return out, err
+}
+
+// SaveText is what iptables-save prints for table.
+func (t Tool) SaveText(ctx context.Context, table string) ([]byte, error) {
+	return t.runTool(ctx, t.binary("-save"), nil, "-t", table)
+}
+
+// RestoreFlushing runs iptables-restore without --noflush: every table in
+// payload loses what it does not declare (tests use it to empty tables).
+func (t Tool) RestoreFlushing(ctx context.Context, payload []byte) error {
+	_, err := t.runTool(ctx, t.binary("-restore"), payload, "-w", lockWait)
+	return err
+}

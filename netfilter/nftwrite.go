@@ -1,0 +1,350 @@
+package netfilter
+
+import (
+	"context"
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"strings"
+	"syscall"
+	"time"
+
+	"github.com/mdlayher/netlink"
+
+	"github.com/kpipe/kpipe/bus"
+)
+
+// The netlink writer: an iptables-restore --noflush payload of the form kpipe
+// writes (Assemble: chains declared, rules appended, chains deleted) goes to
+// the kernel as one nf_tables batch per table section, with the expressions
+// iptables-nft would have written for each rule, without reading the table
+// first (which is what makes iptables-restore cost 0.3 s at 10,000 services).
+// The rules stay iptables rules: iptables-save prints them as if
+// iptables-restore had written them.
+
+const (
+	nfnlMsgBatchBegin = 0x10 // NFNL_MSG_BATCH_BEGIN
+	nfnlMsgBatchEnd   = 0x11 // NFNL_MSG_BATCH_END
+)
+
+// nftSection is one "*table ... COMMIT" section as nf_tables messages, ready
+// to go between a batch's begin and end, numbered from firstSeq on.
+type nftSection struct {
+	table    string
+	msgs     nlBuf
+	whats    []string // what each message does, for errors
+	firstSeq uint32
+}
+
+// add appends one message; body writes its attributes.
+func (s *nftSection) add(typ int, flags uint16, family uint8, what string, body func(n *nlBuf)) {
+	at := s.msgs.msg(uint16(nfnlSubsysNFTables<<8|typ), syscall.NLM_F_REQUEST|flags, s.firstSeq+uint32(len(s.whats)), family, 0)
+	body(&s.msgs)
+	s.msgs.done(at)
+	s.whats = append(s.whats, what)
+}
+
+// translatePayload turns a payload into batches, or errUntranslatable.
+func translatePayload(family bus.Family, payload []byte) ([]nftSection, error) {
+	x := ruleTranslator{family: family}
+	nfproto := uint8(nfprotoIPv4)
+	if family == bus.IPv6 {
+		nfproto = nfprotoIPv6
+	}
+	var out []nftSection
+	var cur *nftSection
+	seq := uint32(1)
+
+	text := string(payload)
+	for n := 0; text != ""; n++ {
+		var line string
+		line, text, _ = strings.Cut(text, "\n")
+		line = strings.TrimSpace(line)
+		switch {
+		case line == "" || strings.HasPrefix(line, "#"):
+		case strings.HasPrefix(line, "*"):
+			if cur != nil {
+				return nil, untranslatable("line %d: a table inside a table", n+1)
+			}
+			table := line[1:]
+			if table != TableNAT && table != TableFilter && table != "mangle" {
+				return nil, untranslatable("table %q", table)
+			}
+			// A rule takes about four times its text in netlink (a comment
+			// match alone is 256 bytes): sized once, the buffer is not copied
+			// as it grows.
+			size, _, _ := strings.Cut(text, "\nCOMMIT")
+			cur = &nftSection{table: table, firstSeq: seq + 1, msgs: nlBuf{b: make([]byte, 0, 4*len(size)+64)}} // seq is the batch's begin
+			at := cur.msgs.msg(nfnlMsgBatchBegin, syscall.NLM_F_REQUEST, seq, 0, nfnlSubsysNFTables)
+			cur.msgs.done(at)
+		case cur == nil:
+			return nil, untranslatable("line %d outside a table", n+1)
+		case line == "COMMIT":
+			out = append(out, *cur)
+			seq = cur.firstSeq + uint32(len(cur.whats)) + 1 // and the batch's end
+			cur = nil
+		case strings.HasPrefix(line, ":"):
+			f := strings.Fields(line[1:])
+			if len(f) != 3 || f[1] != "-" || f[2] != "[0:0]" || !isUserChain(f[0]) {
+				return nil, untranslatable("line %d: %q", n+1, line)
+			}
+			chain, table := f[0], cur.table
+			cur.add(nftMsgNewChain, syscall.NLM_F_CREATE, nfproto, "create chain "+chain, func(n *nlBuf) {
+				n.str(nftaChainTable, table)
+				n.str(nftaChainName, chain)
+			})
+			// DELRULE without a handle deletes every rule of the chain.
+			cur.add(nftMsgDelRule, 0, nfproto, "flush chain "+chain, func(n *nlBuf) {
+				n.str(nftaRuleTable, table)
+				n.str(nftaRuleChain, chain)
+			})
+		case strings.HasPrefix(line, "-X "):
+			chain, table := strings.TrimSpace(line[3:]), cur.table
+			if !isUserChain(chain) {
+				return nil, untranslatable("line %d: %q", n+1, line)
+			}
+			cur.add(nftMsgDelChain, 0, nfproto, "delete chain "+chain, func(n *nlBuf) {
+				n.str(nftaChainTable, table)
+				n.str(nftaChainName, chain)
+			})
+		case strings.HasPrefix(line, "-A "):
+			args, err := splitArgs(line[3:])
+			if err != nil || len(args) < 1 || !isUserChain(args[0]) {
+				return nil, untranslatable("line %d: %q", n+1, line)
+			}
+			r, err := x.translate(args[0], args[1:])
+			if err != nil {
+				return nil, fmt.Errorf("line %d: %w", n+1, err)
+			}
+			table := cur.table
+			cur.add(nftMsgNewRule, syscall.NLM_F_CREATE|syscall.NLM_F_APPEND, nfproto, "add a rule to "+r.chain, func(n *nlBuf) {
+				n.str(nftaRuleTable, table)
+				n.str(nftaRuleChain, r.chain)
+				at := n.begin(nftaRuleExpressions)
+				for _, e := range r.exprs {
+					e(n)
+				}
+				n.end(at)
+				at = n.begin(nftaRuleCompat)
+				n.u32(nftaRuleCompatProto, uint32(r.proto))
+				var flags uint32
+				if r.invertProto {
+					flags = nftRuleCompatInv
+				}
+				n.u32(nftaRuleCompatFlags, flags)
+				n.end(at)
+			})
+		default:
+			return nil, untranslatable("line %d: %q", n+1, line)
+		}
+	}
+	if cur != nil {
+		return nil, untranslatable("no COMMIT after *%s", cur.table)
+	}
+	return out, nil
+}
+
+// splitArgs splits a rule as iptables-restore does, for the quoting kpipe
+// uses: double quotes around a whole argument, no escapes.
+func splitArgs(s string) ([]string, error) {
+	var out []string
+	for {
+		s = strings.TrimLeft(s, " \t")
+		if s == "" {
+			return out, nil
+		}
+		if s[0] == '"' {
+			end := strings.IndexByte(s[1:], '"')
+			if end < 0 {
+				return nil, untranslatable("an open quote")
+			}
+			arg := s[1 : 1+end]
+			s = s[2+end:]
+			if strings.ContainsRune(arg, '\\') || (s != "" && s[0] != ' ' && s[0] != '\t') {
+				return nil, untranslatable("quoting")
+			}
+			out = append(out, arg)
+			continue
+		}
+		end := strings.IndexAny(s, " \t")
+		if end < 0 {
+			end = len(s)
+		}
+		arg := s[:end]
+		if strings.ContainsAny(arg, "\"'\\") {
+			return nil, untranslatable("quoting")
+		}
+		out = append(out, arg)
+		s = s[end:]
+	}
+}
+
+// nftBatchError is the kernel's refusal of one message of a batch (the whole
+// batch is then undone).
+type nftBatchError struct {
+	table, what string
+	err         syscall.Errno
+}
+
+func (e *nftBatchError) Error() string {
+	return fmt.Sprintf("nf_tables %s: %s: %v", e.table, e.what, e.err)
+}
+
+func (e *nftBatchError) Unwrap() error { return e.err }
+
+// writeBatches sends each section as one nf_tables transaction, in order.
+func writeBatches(ctx context.Context, family bus.Family, sections []nftSection) error {
+	conn, err := netlink.Dial(syscall.NETLINK_NETFILTER, nil)
+	if err != nil {
+		return fmt.Errorf("nf_tables netlink: %w", err)
+	}
+	defer conn.Close()
+	raw, err := conn.SyscallConn()
+	if err != nil {
+		return err
+	}
+	port, err := portID(raw)
+	if err != nil {
+		return err
+	}
+	// The tamper watcher must take this socket's changes for kpipe's own.
+	ownTools.started(int(port))
+	defer ownTools.exited(int(port))
+	if err := conn.SetOption(netlink.CapAcknowledge, true); err != nil {
+		return err
+	}
+	stop := context.AfterFunc(ctx, func() { conn.SetDeadline(time.Unix(1, 0)) })
+	defer stop()
+	deadline, ok := ctx.Deadline()
+	if !ok {
+		deadline = time.Now().Add(time.Minute)
+	}
+	if err := conn.SetDeadline(deadline); err != nil {
+		return err
+	}
+	w := &nftReader{conn: conn, raw: raw, buf: make([]byte, recvSize), family: nfprotoIPv4}
+	if family == bus.IPv6 {
+		w.family = nfprotoIPv6
+	}
+	for _, s := range sections {
+		if len(s.whats) == 0 {
+			continue
+		}
+		if err := w.batch(&s); err != nil {
+			if ctx.Err() != nil {
+				return fmt.Errorf("nf_tables %s: %w (%v)", s.table, ctx.Err(), err)
+			}
+			return err
+		}
+	}
+	return nil
+}
+
+// portID is the netlink port the kernel gave the socket: nf_tables
+// notifications of its changes carry it.
+func portID(raw syscall.RawConn) (uint32, error) {
+	var port uint32
+	var serr error
+	err := raw.Control(func(fd uintptr) {
+		sa, err := syscall.Getsockname(int(fd))
+		if err != nil {
+			serr = err
+			return
+		}
+		if nl, ok := sa.(*syscall.SockaddrNetlink); ok {
+			port = nl.Pid
+		}
+	})
+	if err == nil {
+		err = serr
+	}
+	return port, err
+}
+
+// batch sends one section between BATCH_BEGIN and BATCH_END and waits for the
+// kernel's answer: the kernel runs the whole batch while sendmsg runs, answers
+// an error for each message it refused, and acknowledges the last message (the
+// only one that asks for it), so reading stops at that answer.
+func (w *nftReader) batch(s *nftSection) error {
+	begin, last, end := s.firstSeq-1, s.firstSeq+uint32(len(s.whats))-1, s.firstSeq+uint32(len(s.whats))
+	// Ask for an answer to the last message only, and end the batch (the
+	// section's buffer starts with the batch's begin).
+	buf := &s.msgs
+	lastAt := lastMessage(buf.b)
+	flags := binary.NativeEndian.Uint16(buf.b[lastAt+6:])
+	binary.NativeEndian.PutUint16(buf.b[lastAt+6:], flags|syscall.NLM_F_ACK)
+	at := buf.msg(nfnlMsgBatchEnd, syscall.NLM_F_REQUEST, end, 0, nfnlSubsysNFTables)
+	buf.done(at)
+	defer func() { buf.b = buf.b[:at]; binary.NativeEndian.PutUint16(buf.b[lastAt+6:], flags) }()
+	if err := w.setSendBuffer(len(buf.b)); err != nil {
+		return err
+	}
+	var sendErr error
+	err := w.raw.Write(func(fd uintptr) bool {
+		sendErr = syscall.Sendto(int(fd), buf.b, 0, &syscall.SockaddrNetlink{Family: syscall.AF_NETLINK})
+		return sendErr != syscall.EAGAIN
+	})
+	if err == nil {
+		err = sendErr
+	}
+	if err != nil {
+		return fmt.Errorf("nf_tables %s: send a batch of %d messages: %w", s.table, len(s.whats), err)
+	}
+	var refused error
+	for {
+		replies, err := w.receive()
+		if errors.Is(err, syscall.ENOBUFS) {
+			// Only refusals and one acknowledgement come back, so answers
+			// that overflow the socket are refusals: the batch was undone.
+			return &nftBatchError{table: s.table, what: "a batch of " + fmt.Sprint(len(s.whats)) + " messages (too many refusals to read)", err: syscall.ENOBUFS}
+		}
+		if err != nil {
+			return fmt.Errorf("nf_tables %s: %w", s.table, err)
+		}
+		for _, r := range replies {
+			if r.Header.Type != syscall.NLMSG_ERROR || r.Header.Seq < begin || r.Header.Seq > last {
+				continue
+			}
+			if errno := replyErrno(r.Data); errno != nil && refused == nil {
+				what := "begin a batch"
+				if i := int(r.Header.Seq - s.firstSeq); r.Header.Seq >= s.firstSeq && i < len(s.whats) {
+					what = s.whats[i]
+				}
+				refused = &nftBatchError{table: s.table, what: what, err: errno.(syscall.Errno)}
+			}
+			if r.Header.Seq == last || r.Header.Seq == begin {
+				return refused
+			}
+		}
+	}
+}
+
+// lastMessage is the offset of the last netlink message in b.
+func lastMessage(b []byte) int {
+	at := 0
+	for {
+		size := int(binary.NativeEndian.Uint32(b[at:]))
+		next := at + align4(size)
+		if next >= len(b) {
+			return at
+		}
+		at = next
+	}
+}
+
+// setSendBuffer makes the socket take a batch of size bytes in one sendmsg
+// (the kernel refuses a message longer than the send buffer).
+func (w *nftReader) setSendBuffer(size int) error {
+	const floor = 1 << 20
+	size = max(size+4096, floor)
+	var serr error
+	if err := w.raw.Control(func(fd uintptr) {
+		serr = syscall.SetsockoptInt(int(fd), syscall.SOL_SOCKET, syscall.SO_SNDBUFFORCE, size)
+	}); err != nil {
+		return err
+	}
+	if serr != nil {
+		return w.conn.SetWriteBuffer(size)
+	}
+	return nil
+}

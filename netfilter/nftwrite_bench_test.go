@@ -1,0 +1,48 @@
+package netfilter_test
+
+import (
+	"bytes"
+	"context"
+	"fmt"
+	"net/netip"
+	"testing"
+	"time"
+
+	"github.com/kpipe/kpipe/bus"
+	nf "github.com/kpipe/kpipe/netfilter"
+	"github.com/kpipe/kpipe/netfilter/writertest"
+	"github.com/kpipe/kpipe/stages/render"
+)
+
+// BenchmarkNetlinkFullSync writes the full plan of n synthetic services × 10
+// endpoints in one batch per table, over itself, and reports how the time
+// splits between kpipe (parsing the payload, encoding the rules) and the
+// kernel (the batch's sendmsg and answer).
+func BenchmarkNetlinkFullSync(b *testing.B) {
+	for _, n := range []int{1000, 10000} {
+		cfg := render.Config{Family: bus.IPv4, NodeName: "bench-node", MasqueradeBit: 14, DetectLocal: render.DetectClusterCIDR,
+			ClusterCIDRs: []netip.Prefix{netip.MustParsePrefix("10.244.0.0/16")}}
+		plan := render.Render(cfg, &bus.Snapshot{State: render.SyntheticState(n, 10), Full: true})
+		var payload bytes.Buffer
+		for _, tp := range plan.Tables {
+			payload.Write(nf.Assemble(tp.Table, tp.Chains, nil))
+		}
+		bed := writertest.New(b, bus.IPv4)
+		b.Run(fmt.Sprintf("services=%d", n), func(b *testing.B) {
+			var encode, kernel time.Duration
+			for b.Loop() {
+				start := time.Now()
+				write, err := nf.TranslateAndWrite(bus.IPv4, payload.Bytes())
+				if err != nil {
+					b.Fatal(err)
+				}
+				encoded := time.Now()
+				bed.Netlink.Run(b, func() error { return write(context.Background()) })
+				encode += encoded.Sub(start)
+				kernel += time.Since(encoded)
+			}
+			b.ReportMetric(float64(encode.Milliseconds())/float64(b.N), "encode-ms/op")
+			b.ReportMetric(float64(kernel.Milliseconds())/float64(b.N), "kernel-ms/op")
+		})
+	}
+}

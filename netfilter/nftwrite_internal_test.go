@@ -1,0 +1,82 @@
+package netfilter
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strings"
+	"testing"
+
+	"github.com/kpipe/kpipe/bus"
+	"github.com/kpipe/kpipe/netfilter/netnstest"
+)
+
+const writerPayload = "*nat\n:KUBE-KPX-W - [0:0]\n-A KUBE-KPX-W -m comment --comment \"x\" -d 10.96.0.1/32 -j RETURN\nCOMMIT\n"
+
+// TestWriterOnLegacyIsRestore: on the legacy backend the netlink writer is
+// iptables-restore: the rules are in iptables-legacy's tables, and nf_tables
+// holds no table of the family.
+func TestWriterOnLegacyIsRestore(t *testing.T) {
+	tool := legacy(t, bus.IPv4)
+	netnstest.New(t).Run(t, func() error {
+		ctx := context.Background()
+		if tool.Writer != WriterNetlink {
+			return fmt.Errorf("the zero Tool's writer is %v, want netlink", tool.Writer)
+		}
+		if err := tool.Restore(ctx, []byte(writerPayload)); err != nil {
+			return err
+		}
+		rules, err := tool.ListChain(ctx, TableNAT, "KUBE-KPX-W")
+		if err != nil || len(rules) != 1 {
+			return fmt.Errorf("iptables-legacy lists %q, %v; want the rule", rules, err)
+		}
+		if names, err := (Tool{Family: bus.IPv4}).netlinkChainNames(ctx, TableNAT); err == nil && len(names) > 0 {
+			return fmt.Errorf("nf_tables has chains %v; the legacy backend's rules went to nf_tables", names)
+		}
+		return nil
+	})
+}
+
+// TestWriterFallsBackToRestore: what the netlink writer does not translate,
+// or what the kernel refuses from it (here: the table does not exist yet),
+// iptables-restore writes.
+func TestWriterFallsBackToRestore(t *testing.T) {
+	netnstest.RequireRoot(t)
+	if !OnNFTables(bus.IPv4) {
+		netnstest.Unavailable(t, "iptables is not the nf_tables backend")
+	}
+	netnstest.New(t).Run(t, func() error {
+		ctx := context.Background()
+		tool := Tool{Family: bus.IPv4}
+		if err := tool.RestoreNetlink(ctx, []byte(writerPayload)); err == nil {
+			return errors.New("the netlink writer wrote into a table that does not exist")
+		}
+		before := NetlinkFallbacks.Load()
+		if err := tool.Restore(ctx, []byte(writerPayload)); err != nil {
+			return err
+		}
+		if NetlinkFallbacks.Load() != before+1 {
+			return errors.New("the refused netlink write was not counted")
+		}
+		// Untranslatable (-I): iptables-restore, and no fallback counted.
+		insert := strings.Replace(writerPayload, "-A KUBE-KPX-W", "-I KUBE-KPX-W 1", 1)
+		if err := tool.RestoreNetlink(ctx, []byte(insert)); !errors.Is(err, ErrUntranslatable) {
+			return fmt.Errorf("RestoreNetlink of -I = %v, want ErrUntranslatable", err)
+		}
+		if err := tool.Restore(ctx, []byte(insert)); err != nil {
+			return err
+		}
+		if NetlinkFallbacks.Load() != before+1 {
+			return errors.New("an untranslatable payload was counted as a refusal")
+		}
+		rules, err := tool.ListChain(ctx, TableNAT, "KUBE-KPX-W")
+		if err != nil || len(rules) != 1 {
+			return fmt.Errorf("lists %q, %v; want the one rule", rules, err)
+		}
+		// Now the table exists: the netlink writer writes.
+		if err := tool.RestoreNetlink(ctx, []byte(writerPayload)); err != nil {
+			return err
+		}
+		return nil
+	})
+}
