@@ -66,14 +66,16 @@ func (b *Bed) Reset(tb testing.TB) {
 
 func (b *Bed) restoreTool() nf.Tool { return nf.Tool{Family: b.Family, Writer: nf.WriterRestore} }
 
-// Write writes payload into both namespaces, each its own way; the netlink
-// side must not fall back to iptables-restore.
-func (b *Bed) Write(tb testing.TB, payload []byte) {
+// Write writes the payloads, in turn, into both namespaces, each its own way;
+// the netlink side must not fall back to iptables-restore.
+func (b *Bed) Write(tb testing.TB, payloads ...[]byte) {
 	tb.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
 	defer cancel()
-	b.Restore.Run(tb, func() error { return b.restoreTool().Restore(ctx, payload) })
-	b.Netlink.Run(tb, func() error { return nf.Tool{Family: b.Family}.RestoreNetlink(ctx, payload) })
+	for _, p := range payloads {
+		b.Restore.Run(tb, func() error { return b.restoreTool().Restore(ctx, p) })
+		b.Netlink.Run(tb, func() error { return nf.Tool{Family: b.Family}.RestoreNetlink(ctx, p) })
+	}
 }
 
 // RestoreOverNetlink has iptables-restore write payload over what the netlink
