@@ -137,6 +137,14 @@ const (
 	nfgenmsgLen = 4 // struct nfgenmsg: family, version, res_id (big-endian)
 )
 
+// nfproto is the family's nf_tables protocol family.
+func nfproto(f bus.Family) uint8 {
+	if f == bus.IPv6 {
+		return nfprotoIPv6
+	}
+	return nfprotoIPv4
+}
+
 // readTries bounds how often netlinkDigests reads again when the ruleset changed
 // while it read.
 const readTries = 5
@@ -191,10 +199,7 @@ func (t Tool) openReader(ctx context.Context, table string) (n *nftReader, done 
 			return nil, nil, err
 		}
 	}
-	n = &nftReader{conn: conn, raw: raw, buf: make([]byte, recvSize), family: nfprotoIPv4, table: table}
-	if t.Family == bus.IPv6 {
-		n.family = nfprotoIPv6
-	}
+	n = &nftReader{conn: conn, raw: raw, buf: make([]byte, recvSize), family: nfproto(t.Family), table: table}
 	return n, func() { stop(); conn.Close() }, nil
 }
 
@@ -429,16 +434,7 @@ func (n *nftReader) hashRules(chains map[string]*digest, perChain bool) error {
 		return nil
 	}
 	dump := func(chain string) error {
-		req, err := n.request(nftMsgGetRule, netlink.Dump, func(ae *netlink.AttributeEncoder) {
-			ae.String(nftaRuleTable, n.table)
-			if chain != "" {
-				ae.String(nftaRuleChain, chain)
-			}
-		})
-		if err != nil {
-			return err
-		}
-		err = n.query(req, nftMsgNewRule, fold)
+		err := n.dumpRules(chain, fold)
 		if errors.Is(err, syscall.ENOENT) { // the chain went after the chain dump
 			return errChanged
 		}
@@ -456,6 +452,21 @@ func (n *nftReader) hashRules(chains map[string]*digest, perChain bool) error {
 		}
 	}
 	return nil
+}
+
+// dumpRules calls each with every rule of chain (of the whole table when chain
+// is ""), in the kernel's order.
+func (n *nftReader) dumpRules(chain string, each func(attrs []byte) error) error {
+	req, err := n.request(nftMsgGetRule, netlink.Dump, func(ae *netlink.AttributeEncoder) {
+		ae.String(nftaRuleTable, n.table)
+		if chain != "" {
+			ae.String(nftaRuleChain, chain)
+		}
+	})
+	if err != nil {
+		return err
+	}
+	return n.query(req, nftMsgNewRule, each)
 }
 
 // forEachAttr calls f with the type and payload of each netlink attribute in b.

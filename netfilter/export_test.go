@@ -13,5 +13,5 @@ func TranslateAndWrite(family bus.Family, payload []byte) (write func(ctx contex
 	if err != nil {
 		return nil, err
 	}
-	return func(ctx context.Context) error { return writeBatches(ctx, family, sections) }, nil
+	return func(ctx context.Context) error { return Tool{Family: family}.writeBatches(ctx, sections) }, nil
 }

@@ -3,8 +3,6 @@ package netfilter
 import (
 	"context"
 	"fmt"
-
-	"github.com/mdlayher/netlink"
 )
 
 // ChainExpressions lists the rules of one chain as the kernel holds them, each
@@ -16,15 +14,8 @@ func (t Tool) ChainExpressions(ctx context.Context, table, chain string) ([][]st
 		return nil, err
 	}
 	defer done()
-	req, err := n.request(nftMsgGetRule, netlink.Dump, func(ae *netlink.AttributeEncoder) {
-		ae.String(nftaRuleTable, table)
-		ae.String(nftaRuleChain, chain)
-	})
-	if err != nil {
-		return nil, err
-	}
 	var out [][]string
-	err = n.query(req, nftMsgNewRule, func(a []byte) error {
+	err = n.dumpRules(chain, func(a []byte) error {
 		r, err := decodeRule(a)
 		if err != nil {
 			return err
@@ -48,16 +39,4 @@ func (t Tool) ChainExpressions(ctx context.Context, table, chain string) ([][]st
 		return err
 	})
 	return out, err
-}
-
-// SaveText is what iptables-save prints for table.
-func (t Tool) SaveText(ctx context.Context, table string) ([]byte, error) {
-	return t.runTool(ctx, t.binary("-save"), nil, "-t", table)
-}
-
-// RestoreFlushing runs iptables-restore without --noflush: every table in
-// payload loses what it does not declare (tests use it to empty tables).
-func (t Tool) RestoreFlushing(ctx context.Context, payload []byte) error {
-	_, err := t.runTool(ctx, t.binary("-restore"), payload, "-w", lockWait)
-	return err
 }

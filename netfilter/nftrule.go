@@ -267,7 +267,6 @@ type matchParser struct {
 	x         ruleTranslator
 	name      string
 	opts      map[string]matchOpt
-	order     []string
 	needProto []uint8 // protocols that tcp, udp and sctp matches need -p for
 }
 
@@ -295,7 +294,7 @@ func (m *matchParser) start(name string) error {
 	if _, ok := matchOptions[name]; !ok {
 		return untranslatable("match %q", name)
 	}
-	m.name, m.opts, m.order = name, map[string]matchOpt{}, nil
+	m.name, m.opts = name, map[string]matchOpt{}
 	return nil
 }
 
@@ -309,7 +308,6 @@ func (m *matchParser) option(opt, value string, invert bool) error {
 		return untranslatable("%s twice", opt)
 	}
 	m.opts[opt] = matchOpt{value, invert}
-	m.order = append(m.order, opt)
 	return nil
 }
 
@@ -513,7 +511,7 @@ func (m *matchParser) recent() ([]expr, error) {
 	if _, ok := o["--mask"]; ok {
 		return nil, untranslatable("recent --mask")
 	}
-	return []expr{xt("match", "recent", 1, xtRecentInfo(seconds, hits, checkSet, false, name, side, recentMask))}, nil
+	return []expr{xt("match", "recent", 1, xtRecentInfo(seconds, hits, checkSet, name, side, recentMask))}, nil
 }
 
 // markAndMask reads "value[/mask]" (numbers in C's notations).

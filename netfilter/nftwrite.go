@@ -47,10 +47,7 @@ func (s *nftSection) add(typ int, flags uint16, family uint8, what string, body 
 // translatePayload turns a payload into batches, or errUntranslatable.
 func translatePayload(family bus.Family, payload []byte) ([]nftSection, error) {
 	x := ruleTranslator{family: family}
-	nfproto := uint8(nfprotoIPv4)
-	if family == bus.IPv6 {
-		nfproto = nfprotoIPv6
-	}
+	proto := nfproto(family)
 	var out []nftSection
 	var cur *nftSection
 	seq := uint32(1)
@@ -89,12 +86,12 @@ func translatePayload(family bus.Family, payload []byte) ([]nftSection, error) {
 				return nil, untranslatable("line %d: %q", n+1, line)
 			}
 			chain, table := f[0], cur.table
-			cur.add(nftMsgNewChain, syscall.NLM_F_CREATE, nfproto, "create chain "+chain, func(n *nlBuf) {
+			cur.add(nftMsgNewChain, syscall.NLM_F_CREATE, proto, "create chain "+chain, func(n *nlBuf) {
 				n.str(nftaChainTable, table)
 				n.str(nftaChainName, chain)
 			})
 			// DELRULE without a handle deletes every rule of the chain.
-			cur.add(nftMsgDelRule, 0, nfproto, "flush chain "+chain, func(n *nlBuf) {
+			cur.add(nftMsgDelRule, 0, proto, "flush chain "+chain, func(n *nlBuf) {
 				n.str(nftaRuleTable, table)
 				n.str(nftaRuleChain, chain)
 			})
@@ -103,7 +100,7 @@ func translatePayload(family bus.Family, payload []byte) ([]nftSection, error) {
 			if !isUserChain(chain) {
 				return nil, untranslatable("line %d: %q", n+1, line)
 			}
-			cur.add(nftMsgDelChain, 0, nfproto, "delete chain "+chain, func(n *nlBuf) {
+			cur.add(nftMsgDelChain, 0, proto, "delete chain "+chain, func(n *nlBuf) {
 				n.str(nftaChainTable, table)
 				n.str(nftaChainName, chain)
 			})
@@ -117,7 +114,7 @@ func translatePayload(family bus.Family, payload []byte) ([]nftSection, error) {
 				return nil, fmt.Errorf("line %d: %w", n+1, err)
 			}
 			table := cur.table
-			cur.add(nftMsgNewRule, syscall.NLM_F_CREATE|syscall.NLM_F_APPEND, nfproto, "add a rule to "+r.chain, func(n *nlBuf) {
+			cur.add(nftMsgNewRule, syscall.NLM_F_CREATE|syscall.NLM_F_APPEND, proto, "add a rule to "+r.chain, func(n *nlBuf) {
 				n.str(nftaRuleTable, table)
 				n.str(nftaRuleChain, r.chain)
 				at := n.begin(nftaRuleExpressions)
@@ -193,38 +190,26 @@ func (e *nftBatchError) Error() string {
 func (e *nftBatchError) Unwrap() error { return e.err }
 
 // writeBatches sends each section as one nf_tables transaction, in order.
-func writeBatches(ctx context.Context, family bus.Family, sections []nftSection) error {
-	conn, err := netlink.Dial(syscall.NETLINK_NETFILTER, nil)
-	if err != nil {
-		return fmt.Errorf("nf_tables netlink: %w", err)
+func (t Tool) writeBatches(ctx context.Context, sections []nftSection) error {
+	if _, ok := ctx.Deadline(); !ok {
+		var cancel context.CancelFunc
+		ctx, cancel = context.WithTimeout(ctx, time.Minute) // a batch never waits forever
+		defer cancel()
 	}
-	defer conn.Close()
-	raw, err := conn.SyscallConn()
+	w, done, err := t.openReader(ctx, "")
 	if err != nil {
 		return err
 	}
-	port, err := portID(raw)
+	defer done()
+	port, err := portID(w.raw)
 	if err != nil {
 		return err
 	}
 	// The tamper watcher must take this socket's changes for kpipe's own.
 	ownTools.started(int(port))
 	defer ownTools.exited(int(port))
-	if err := conn.SetOption(netlink.CapAcknowledge, true); err != nil {
+	if err := w.conn.SetOption(netlink.CapAcknowledge, true); err != nil {
 		return err
-	}
-	stop := context.AfterFunc(ctx, func() { conn.SetDeadline(time.Unix(1, 0)) })
-	defer stop()
-	deadline, ok := ctx.Deadline()
-	if !ok {
-		deadline = time.Now().Add(time.Minute)
-	}
-	if err := conn.SetDeadline(deadline); err != nil {
-		return err
-	}
-	w := &nftReader{conn: conn, raw: raw, buf: make([]byte, recvSize), family: nfprotoIPv4}
-	if family == bus.IPv6 {
-		w.family = nfprotoIPv6
 	}
 	for _, s := range sections {
 		if len(s.whats) == 0 {

@@ -80,3 +80,27 @@ func TestWriterFallsBackToRestore(t *testing.T) {
 		return nil
 	})
 }
+
+// TestRefusedBatchTooManyAnswers: a batch whose every rule the kernel refuses
+// (no nat table yet) sends more refusals than the socket holds; that is still
+// the kernel's refusal of the batch, not a failure to read it.
+func TestRefusedBatchTooManyAnswers(t *testing.T) {
+	netnstest.RequireRoot(t)
+	if !OnNFTables(bus.IPv4) {
+		netnstest.Unavailable(t, "iptables is not the nf_tables backend")
+	}
+	var b strings.Builder
+	b.WriteString("*nat\n:KUBE-KPX-W - [0:0]\n")
+	for i := range 20000 {
+		fmt.Fprintf(&b, "-A KUBE-KPX-W -m comment --comment \"rule %d\" -j RETURN\n", i)
+	}
+	b.WriteString("COMMIT\n")
+	netnstest.New(t).Run(t, func() error {
+		err := Tool{Family: bus.IPv4}.RestoreNetlink(context.Background(), []byte(b.String()))
+		var refused *nftBatchError
+		if !errors.As(err, &refused) {
+			return fmt.Errorf("RestoreNetlink into a namespace without tables = %v; want the batch refused", err)
+		}
+		return nil
+	})
+}

@@ -120,14 +120,11 @@ const (
 // xtRecentInfo is struct xt_recent_mtinfo_v1 (rev 1): u32 seconds, u32
 // hit_count, u8 check_set, u8 invert, char name[200], u8 side, then an
 // nf_inet_addr mask (4-aligned): 228 bytes.
-func xtRecentInfo(seconds, hits uint32, checkSet uint8, invert bool, name string, side uint8, mask []byte) []byte {
+func xtRecentInfo(seconds, hits uint32, checkSet uint8, name string, side uint8, mask []byte) []byte {
 	b := make([]byte, xtAlign(228))
 	ne.PutUint32(b[0:], seconds)
 	ne.PutUint32(b[4:], hits)
-	b[8] = checkSet
-	if invert {
-		b[9] = 1
-	}
+	b[8] = checkSet // b[9], invert: kpipe never inverts recent
 	copy(b[10:210], name)
 	b[210] = side
 	copy(b[212:228], mask)

@@ -86,9 +86,6 @@ func (n *nlBuf) end(at int) {
 	binary.NativeEndian.PutUint16(n.b[at:], uint16(len(n.b)-at))
 }
 
-// nlmsghdr: length, type, flags, sequence, port.
-const nlmsgHdrLen = 16
-
 // msg starts a netlink message with an nfgenmsg header; done closes it.
 func (n *nlBuf) msg(typ, flags uint16, seq uint32, family uint8, resID uint16) int {
 	at := len(n.b)

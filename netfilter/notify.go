@@ -9,8 +9,6 @@ import (
 	"time"
 
 	"github.com/mdlayher/netlink"
-
-	"github.com/kpipe/kpipe/bus"
 )
 
 // ChangeKind is what one nf_tables notification says happened.
@@ -84,11 +82,7 @@ func (t Tool) Subscribe(ctx context.Context) (*Subscription, error) {
 		conn.Close()
 		return nil, fmt.Errorf("subscribe to nf_tables changes: %w", err)
 	}
-	s := &Subscription{r: &nftReader{conn: conn, raw: raw, buf: make([]byte, recvSize)}, family: nfprotoIPv4}
-	if t.Family == bus.IPv6 {
-		s.family = nfprotoIPv6
-	}
-	return s, nil
+	return &Subscription{r: &nftReader{conn: conn, raw: raw, buf: make([]byte, recvSize)}, family: nfproto(t.Family)}, nil
 }
 
 // setReadBuffer asks for size bytes, beyond net.core.rmem_max when the process

@@ -51,12 +51,19 @@ func (t Tool) RestoreNetlink(ctx context.Context, payload []byte) error {
 	if err != nil {
 		return err
 	}
-	return writeBatches(ctx, t.Family, sections)
+	return t.writeBatches(ctx, sections)
 }
 
 // restoreTool feeds payload to iptables-restore --noflush.
 func (t Tool) restoreTool(ctx context.Context, payload []byte) error {
 	_, err := t.runTool(ctx, t.binary("-restore"), payload, "-w", lockWait, "--noflush", "--counters")
+	return err
+}
+
+// RestoreFlushing runs iptables-restore without --noflush: every table in
+// payload loses what it does not declare (tests use it to empty tables).
+func (t Tool) RestoreFlushing(ctx context.Context, payload []byte) error {
+	_, err := t.runTool(ctx, t.binary("-restore"), payload, "-w", lockWait)
 	return err
 }
 

@@ -10,7 +10,7 @@ import (
 // Save lists every chain of table with its rules ("-A ..." lines), as iptables-save
 // prints them. (iptables-save takes no lock, so it has no -w.)
 func (t Tool) Save(ctx context.Context, table string) (map[string][]string, error) {
-	out, err := t.runTool(ctx, t.binary("-save"), nil, "-t", table)
+	out, err := t.SaveText(ctx, table)
 	if err != nil {
 		return nil, err
 	}
@@ -32,6 +32,11 @@ func (t Tool) Save(ctx context.Context, table string) (map[string][]string, erro
 		}
 	}
 	return chains, sc.Err()
+}
+
+// SaveText is what iptables-save prints for table.
+func (t Tool) SaveText(ctx context.Context, table string) ([]byte, error) {
+	return t.runTool(ctx, t.binary("-save"), nil, "-t", table)
 }
 
 // WriteSysctl sets a sysctl (see the package function WriteSysctl).
