@@ -26,21 +26,16 @@ func (r Repair) Empty() bool { return !r.Lost && len(r.Chains) == 0 && len(r.Jum
 
 // MergeRepairs folds a newer repair request into one not yet taken.
 func MergeRepairs(old, new Repair) Repair {
-	out := Repair{Chains: map[string]map[string]bool{}, Jumps: maps.Clone(old.Jumps), Lost: old.Lost || new.Lost, Since: old.Since}
-	if out.Jumps == nil {
-		out.Jumps = map[string]bool{}
-	}
-	maps.Copy(out.Jumps, new.Jumps)
+	out := Repair{Chains: map[string]map[string]bool{}, Jumps: map[string]bool{}, Lost: old.Lost || new.Lost,
+		Since: earliest(old.Since, new.Since)}
 	for _, r := range []Repair{old, new} {
+		maps.Copy(out.Jumps, r.Jumps)
 		for table, chains := range r.Chains {
 			if out.Chains[table] == nil {
 				out.Chains[table] = map[string]bool{}
 			}
 			maps.Copy(out.Chains[table], chains)
 		}
-	}
-	if out.Since.IsZero() || (!new.Since.IsZero() && new.Since.Before(out.Since)) {
-		out.Since = new.Since
 	}
 	return out
 }

@@ -2,6 +2,7 @@ package canary
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"os/exec"
 	"testing"
@@ -68,20 +69,29 @@ func TestFlushIsNoticed(t *testing.T) {
 	})
 }
 
-// On the nf_tables backend the stage subscribes to the changes; it stops
-// promptly when its context ends (kpipe's shutdown waits for it).
+// On the nf_tables backend the stage subscribes to the changes: with an hour's
+// poll interval, a canary flushed by another process still brings a repair at
+// once. It stops promptly when its context ends (kpipe's shutdown waits for it).
 func TestSubscribedStageStops(t *testing.T) {
 	if _, err := exec.LookPath("iptables"); err != nil {
 		netnstest.Unavailable(t, "iptables not installed (go tool task setup)")
 	}
-	netnstest.New(t).Run(t, func() error {
+	ns := netnstest.New(t)
+	// runIn runs the stage in the namespace: a goroutine started inside ns.Run
+	// would run on another thread, in the host's namespace, and write the host's
+	// tables.
+	runIn := func(ctx context.Context, s *Stage) <-chan error {
+		done := make(chan error, 1)
+		go ns.Run(t, func() error { done <- s.Run(ctx); return nil })
+		return done
+	}
+	ns.Run(t, func() error {
 		repairs := bus.NewMergingMailbox(bus.MergeRepairs)
 		s := NewStage(Params{Interval: time.Hour, Resync: map[bus.Family]*bus.ResyncFlag{bus.IPv4: bus.NewResyncFlag()},
 			Repairs: map[bus.Family]*bus.Mailbox[bus.Repair]{bus.IPv4: repairs}, Env: bus.Envs{}.For(bus.Canary)})
 		for round := range 20 {
 			ctx, cancel := context.WithCancel(context.Background())
-			done := make(chan error, 1)
-			go func() { done <- s.Run(ctx) }()
+			done := runIn(ctx, s)
 			time.Sleep(time.Duration(round) * 5 * time.Millisecond)
 			cancel()
 			select {
@@ -93,6 +103,30 @@ func TestSubscribedStageStops(t *testing.T) {
 				return fmt.Errorf("round %d: Run still running 5s after its context ended", round)
 			}
 		}
-		return nil
+
+		ctx, cancel := context.WithCancel(context.Background())
+		done := runIn(ctx, s)
+		defer func() { cancel(); <-done }()
+		tool := nf.Tool{Family: bus.IPv4}
+		// Flushed again until a repair comes: a flush before Run subscribed goes unseen.
+		for deadline := time.Now().Add(10 * time.Second); ; {
+			if time.Now().After(deadline) {
+				return errors.New("a flushed canary brought no repair: the stage is not subscribed to the changes")
+			}
+			if alive, err := tool.CanaryAlive(ctx, nf.TableNAT); err == nil && alive {
+				if out, err := exec.Command("iptables", "-t", nf.TableNAT, "-F", nf.ChainCanary).CombinedOutput(); err != nil {
+					return fmt.Errorf("iptables -F: %v %s", err, out)
+				}
+			}
+			wait, stop := context.WithTimeout(ctx, time.Second)
+			r, err := repairs.Take(wait)
+			stop()
+			if err == nil {
+				if !r.Lost {
+					return fmt.Errorf("repair %+v after the canary was flushed; want everything", r)
+				}
+				return nil
+			}
+		}
 	})
 }

@@ -2,6 +2,7 @@ package coalesce_test
 
 import (
 	"context"
+	"fmt"
 	"net/netip"
 	"testing"
 	"testing/synctest"
@@ -616,6 +617,58 @@ func TestNetworkProgrammingLatency(t *testing.T) {
 	eventually(t, "one latency sample", func() bool { n, _ := programming(h.reg); return n == 1 })
 	if _, sum := programming(h.reg); sum < 0.03 || sum > 3600 {
 		t.Errorf("latency %.3fs; want the time from the trigger (≥ 30 ms) to the commit, not the hour-old one", sum)
+	}
+}
+
+// TestNetworkProgrammingLatencyOfFoldedChanges: a slice change in which the
+// change queue folded earlier ones carries their earliest trigger time, and the
+// latency counts from it as well as from the change's own.
+func TestNetworkProgrammingLatencyOfFoldedChanges(t *testing.T) {
+	h := start(t, coalesce.Config{})
+	h.send(replayOf(svc(keyA, "10.96.0.1")))
+	h.answer(bus.IPv4, h.take(bus.IPv4), true)
+
+	earlier := time.Now()
+	time.Sleep(50 * time.Millisecond)
+	sl := slice(keyA, "a-1", "10.244.0.1")
+	sl.TriggerTime = time.Now()
+	h.send(bus.Change{Kind: bus.SliceChanged, Key: keyA, SliceName: sl.Name, Slice: sl, EarlierTrigger: earlier})
+	h.answer(bus.IPv4, h.take(bus.IPv4), true)
+	eventually(t, "two latency samples", func() bool { n, _ := programming(h.reg); return n == 2 })
+	if _, sum := programming(h.reg); sum < 0.05 {
+		t.Errorf("latency samples add up to %.3fs; want the earlier trigger's (≥ 50 ms) among them", sum)
+	}
+}
+
+// TestNetworkProgrammingLatencyIsBounded: a service whose slice changes 100
+// times while its commit is slow keeps at most 16 trigger times for the
+// latency metric, the earliest (the largest latency) among them.
+func TestNetworkProgrammingLatencyIsBounded(t *testing.T) {
+	h := start(t, coalesce.Config{})
+	h.send(replayOf(svc(keyA, "10.96.0.1")))
+	h.answer(bus.IPv4, h.take(bus.IPv4), true)
+
+	change := func(i int) {
+		sl := slice(keyA, "a-1", fmt.Sprintf("10.244.0.%d", i%250+1))
+		sl.TriggerTime = time.Now()
+		h.send(bus.Change{Kind: bus.SliceChanged, Key: keyA, SliceName: sl.Name, Slice: sl})
+	}
+	change(0)
+	inFlight := h.take(bus.IPv4) // the slow commit
+	time.Sleep(100 * time.Millisecond)
+	for i := 1; i < 100; i++ {
+		change(i)
+	}
+	h.answer(bus.IPv4, inFlight, true)
+	h.answer(bus.IPv4, h.take(bus.IPv4), true)
+	eventually(t, "latency samples", func() bool { n, _ := programming(h.reg); return n > 0 })
+	time.Sleep(quiet)
+	n, sum := programming(h.reg)
+	if n > 16 {
+		t.Errorf("%d latency samples for one service's 100 changes; want at most 16", n)
+	}
+	if sum < 0.1 {
+		t.Errorf("latency samples add up to %.3fs; want the first change's (≥ 100 ms) among them", sum)
 	}
 }
 

@@ -307,3 +307,40 @@ func saveText(chains map[string][]string) string {
 	}
 	return b.String()
 }
+
+// TestRetriedFailureKeepsTheLedgerBounded: while the kernel rejects every
+// try of the same plan (another agent's jump holding a chain, say, retried by
+// coalesce for as long as it lasts), the rules the ledger keeps as guards for
+// the filter chains in doubt do not grow with the tries.
+func TestRetriedFailureKeepsTheLedgerBounded(t *testing.T) {
+	k := fakekernel.New()
+	s := testStage(k)
+	before := largeState(40)
+	after, _ := gapScenario(before)
+	if err := s.apply(context.Background(), planOf(before, 1, true)); err != nil {
+		t.Fatal(err)
+	}
+	k.BeforeCommit = func(table string) error {
+		if table == nf.TableNAT {
+			return errRejected
+		}
+		return nil
+	}
+	held := func() int {
+		n := 0
+		for _, rules := range s.ledger.tried {
+			n += len(rules)
+		}
+		return n
+	}
+	sizes := []int{}
+	for gen := uint64(2); gen < 12; gen++ {
+		if err := s.apply(context.Background(), planOf(after, gen, false)); !errors.Is(err, errRejected) {
+			t.Fatalf("try %d = %v; want the rejection", gen-1, err)
+		}
+		sizes = append(sizes, held())
+	}
+	if sizes[0] == 0 || sizes[len(sizes)-1] != sizes[0] {
+		t.Errorf("guard rules held in the ledger after each failed try: %v bytes; want the same after every try", sizes)
+	}
+}

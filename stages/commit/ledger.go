@@ -90,7 +90,8 @@ func (l *Ledger) doubt(o op) {
 	k := key(o.table, o.chain)
 	l.unsure[k] = true
 	if o.table == nf.TableFilter && !o.deleted {
-		l.tried[k] += o.rules
+		// Each line once: a write retried while it keeps failing adds nothing new.
+		l.tried[k] = withLines(l.tried[k], o.rules)
 	}
 }
 

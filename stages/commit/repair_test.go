@@ -20,7 +20,7 @@ func runWithRepairs(t *testing.T, k *fakekernel.Kernel, st bus.State) (*Stage, *
 	t.Helper()
 	s, repairs := startWithRepairs(t, k)
 	s.p.In.Put(planOf(st, 1, true))
-	if r := takeResult(t, s); !r.OK {
+	if r := take(t, s.p.Results, "result"); !r.OK {
 		t.Fatal(r.Err)
 	}
 	return s, repairs
@@ -33,22 +33,18 @@ func startWithRepairs(t *testing.T, k *fakekernel.Kernel) (*Stage, *bus.Mailbox[
 	s := testStage(k)
 	repairs := bus.NewMergingMailbox(bus.MergeRepairs)
 	s.p.Repairs = repairs
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan error)
-	go func() { done <- s.Run(ctx) }()
-	t.Cleanup(func() { cancel(); <-done })
+	t.Cleanup(runStage(t, s))
 	return s, repairs
 }
 
-func takeResult(t *testing.T, s *Stage) bus.Result {
-	t.Helper()
-	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
-	defer cancel()
-	r, err := s.p.Results.Take(ctx)
-	if err != nil {
-		t.Fatal("no result from commit")
+// serviceChain is one of the KUBE-SVC- chains in k's nat table (k.Mu held).
+func serviceChain(k *fakekernel.Kernel) string {
+	for c := range k.Tables[nf.TableNAT] {
+		if nf.KindOf(c) == nf.KindService {
+			return c
+		}
 	}
-	return r
+	return ""
 }
 
 // waitFor waits until cond holds of the fake kernel.
@@ -73,13 +69,8 @@ func TestRepairRewritesOnlyTheChangedChains(t *testing.T) {
 	k := fakekernel.New()
 	st := render.SyntheticState(20, 2)
 	s, repairs := runWithRepairs(t, k, st)
-	svc := ""
 	k.Mu.Lock()
-	for c := range k.Tables[nf.TableNAT] {
-		if nf.KindOf(c) == nf.KindService && svc == "" {
-			svc = c
-		}
-	}
+	svc := serviceChain(k)
 	nat := k.Tables[nf.TableNAT]
 	nat[svc][0] = "-A " + svc + " -j RETURN"                                // a rule replaced
 	nat[nf.ChainServices] = nat[nf.ChainServices][:1]                       // rules deleted
@@ -146,7 +137,7 @@ func TestRepairBeforeTheFirstPlan(t *testing.T) {
 	k.Mu.Unlock()
 	st := render.SyntheticState(5, 1)
 	s.p.In.Put(planOf(st, 1, false))
-	if r := takeResult(t, s); !r.OK {
+	if r := take(t, s.p.Results, "result"); !r.OK {
 		t.Fatal(r.Err)
 	}
 	waitFor(t, k, "the jumps", func() bool { return slices.Contains(k.Events, "jumps first filter") })
@@ -159,13 +150,8 @@ func TestFailedRepairWaitsForTheNextPlan(t *testing.T) {
 	k := fakekernel.New()
 	st := render.SyntheticState(5, 1)
 	s, repairs := runWithRepairs(t, k, st)
-	svc := ""
 	k.Mu.Lock()
-	for c := range k.Tables[nf.TableNAT] {
-		if nf.KindOf(c) == nf.KindService {
-			svc = c
-		}
-	}
+	svc := serviceChain(k)
 	k.Tables[nf.TableNAT][svc] = nil
 	k.BeforeRestore = func(int, string) error { return errors.New("injected: iptables-restore failed") }
 	before := k.Restores
@@ -180,7 +166,7 @@ func TestFailedRepairWaitsForTheNextPlan(t *testing.T) {
 		t.Errorf("a failing repair ran iptables-restore %d times in 100 ms; want once", tries)
 	}
 	s.p.In.Put(planOf(st, 2, false))
-	if r := takeResult(t, s); !r.OK {
+	if r := take(t, s.p.Results, "result"); !r.OK {
 		t.Fatal(r.Err)
 	}
 	requireFresh(t, k, st, "after the next plan")
@@ -198,7 +184,7 @@ func TestStopDuringARepair(t *testing.T) {
 	done := make(chan error, 1)
 	go func() { done <- s.Run(ctx) }()
 	s.p.In.Put(planOf(st, 1, true))
-	if r := takeResult(t, s); !r.OK {
+	if r := take(t, s.p.Results, "result"); !r.OK {
 		t.Fatal(r.Err)
 	}
 	k.Mu.Lock()

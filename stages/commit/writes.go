@@ -145,26 +145,32 @@ func guardChains(l *Ledger, chains []bus.Chain) (first, last []bus.Chain) {
 			last = append(last, c)
 			continue
 		}
-		have := map[string]bool{}
-		for _, line := range strings.SplitAfter(c.Rules, "\n") {
-			have[line] = true
-		}
-		var b strings.Builder
-		b.WriteString(c.Rules)
-		for _, line := range strings.SplitAfter(old, "\n") {
-			if line != "" && !have[line] {
-				have[line] = true
-				b.WriteString(line)
-			}
-		}
-		if b.Len() == len(c.Rules) {
+		guarded := withLines(c.Rules, old)
+		if len(guarded) == len(c.Rules) {
 			first = append(first, c) // nothing old to keep: the final version goes first
 			continue
 		}
-		first = append(first, bus.Chain{Name: c.Name, Rules: b.String(), Hash: hashOf(b.String())})
+		first = append(first, bus.Chain{Name: c.Name, Rules: guarded, Hash: hashOf(guarded)})
 		last = append(last, c)
 	}
 	return first, last
+}
+
+// withLines is rules followed by the lines of more it lacks, each once.
+func withLines(rules, more string) string {
+	have := map[string]bool{}
+	for _, line := range strings.SplitAfter(rules, "\n") {
+		have[line] = true
+	}
+	var b strings.Builder
+	b.WriteString(rules)
+	for _, line := range strings.SplitAfter(more, "\n") {
+		if line != "" && !have[line] {
+			have[line] = true
+			b.WriteString(line)
+		}
+	}
+	return b.String()
 }
 
 func hashOf(s string) uint64 {

@@ -2,6 +2,7 @@ package watch
 
 import (
 	"net/netip"
+	"strconv"
 	"strings"
 	"testing"
 
@@ -90,7 +91,7 @@ func (in fuzzInput) objects() (*corev1.Service, []*discoveryv1.EndpointSlice) {
 	}
 	svc.Spec.Ports = []corev1.ServicePort{{Name: in.portName, Protocol: corev1.Protocol(in.protocol), Port: in.port, NodePort: in.nodePort}}
 	for i := range int(in.extraPorts) * 4 {
-		svc.Spec.Ports = append(svc.Spec.Ports, corev1.ServicePort{Name: "p" + itoa(i), Protocol: corev1.Protocol(in.protocol), Port: in.port + 1 + int32(i)})
+		svc.Spec.Ports = append(svc.Spec.Ports, corev1.ServicePort{Name: "p" + strconv.Itoa(i), Protocol: corev1.Protocol(in.protocol), Port: in.port + 1 + int32(i)})
 	}
 
 	labels := map[string]string{}
@@ -107,7 +108,7 @@ func (in fuzzInput) objects() (*corev1.Service, []*discoveryv1.EndpointSlice) {
 	epPort := discoveryv1.EndpointPort{Name: ptr(in.epPortName), Protocol: ptr(corev1.Protocol(in.epProtocol)), Port: ptr(in.epPort)}
 	sl.Ports = []discoveryv1.EndpointPort{epPort}
 	for i := range int(in.extraPorts) * 4 {
-		sl.Ports = append(sl.Ports, discoveryv1.EndpointPort{Name: ptr("p" + itoa(i)), Protocol: ptr(corev1.Protocol(in.protocol)), Port: ptr(in.epPort + 1 + int32(i))})
+		sl.Ports = append(sl.Ports, discoveryv1.EndpointPort{Name: ptr("p" + strconv.Itoa(i)), Protocol: ptr(corev1.Protocol(in.protocol)), Port: ptr(in.epPort + 1 + int32(i))})
 	}
 	cond := func(bit uint8) *bool {
 		if in.conditions&(bit<<3) == 0 {
@@ -157,17 +158,6 @@ func (in fuzzInput) objects() (*corev1.Service, []*discoveryv1.EndpointSlice) {
 		slices = append(slices, dup)
 	}
 	return svc, slices
-}
-
-func itoa(i int) string {
-	if i == 0 {
-		return "0"
-	}
-	var b []byte
-	for ; i > 0; i /= 10 {
-		b = append([]byte{byte('0' + i%10)}, b...)
-	}
-	return string(b)
 }
 
 // FuzzConvert converts fuzzed Services and EndpointSlices and checks that what

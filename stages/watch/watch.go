@@ -249,38 +249,20 @@ func (s *Stage) waitForCaches(ctx context.Context, back <-chan struct{}, inf inf
 // informers makes the Service, EndpointSlice and Node informers (kube-proxy's
 // selectors), each list and watch reported to observe.
 func (s *Stage) informers(observe func(error)) informerSet {
-	core, discovery := s.client.CoreV1(), s.client.DiscoveryV1()
+	services, slices, nodes := s.client.CoreV1().Services(""), s.client.DiscoveryV1().EndpointSlices(""), s.client.CoreV1().Nodes()
 	proxied := func(o *metav1.ListOptions) { o.LabelSelector = selector }
 	thisNode := func(o *metav1.ListOptions) { o.FieldSelector = "metadata.name=" + s.conv.NodeName }
 	return informerSet{
-		services: informer(&corev1.Service{}, proxied, observe,
-			func(ctx context.Context, o metav1.ListOptions) (runtime.Object, error) {
-				return core.Services("").List(ctx, o)
-			},
-			func(ctx context.Context, o metav1.ListOptions) (k8swatch.Interface, error) {
-				return core.Services("").Watch(ctx, o)
-			}),
-		slices: informer(&discoveryv1.EndpointSlice{}, proxied, observe,
-			func(ctx context.Context, o metav1.ListOptions) (runtime.Object, error) {
-				return discovery.EndpointSlices("").List(ctx, o)
-			},
-			func(ctx context.Context, o metav1.ListOptions) (k8swatch.Interface, error) {
-				return discovery.EndpointSlices("").Watch(ctx, o)
-			}),
-		nodes: informer(&corev1.Node{}, thisNode, observe,
-			func(ctx context.Context, o metav1.ListOptions) (runtime.Object, error) {
-				return core.Nodes().List(ctx, o)
-			},
-			func(ctx context.Context, o metav1.ListOptions) (k8swatch.Interface, error) {
-				return core.Nodes().Watch(ctx, o)
-			}),
+		services: informer(&corev1.Service{}, proxied, observe, services.List, services.Watch),
+		slices:   informer(&discoveryv1.EndpointSlice{}, proxied, observe, slices.List, slices.Watch),
+		nodes:    informer(&corev1.Node{}, thisNode, observe, nodes.List, nodes.Watch),
 	}
 }
 
 // informer makes an informer over list and watch (with tweak applied to their
 // options) that reports the outcome of each call to observe.
-func informer(obj runtime.Object, tweak func(*metav1.ListOptions), observe func(error),
-	list func(context.Context, metav1.ListOptions) (runtime.Object, error),
+func informer[L runtime.Object](obj runtime.Object, tweak func(*metav1.ListOptions), observe func(error),
+	list func(context.Context, metav1.ListOptions) (L, error),
 	watch func(context.Context, metav1.ListOptions) (k8swatch.Interface, error)) cache.SharedIndexInformer {
 	lw := &cache.ListWatch{
 		ListWithContextFunc: func(ctx context.Context, o metav1.ListOptions) (runtime.Object, error) {
