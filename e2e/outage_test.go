@@ -105,8 +105,8 @@ func (h *healthWatch) finish() (int, []badHealth) {
 	return h.polls, h.bad
 }
 
-// ruleStages are the stages of the rule path: none of them may restart
-// because the apiserver went away (watch may, to reconnect).
+// ruleStageRestarts is each stage's restart count: no stage but watch (to
+// reconnect) may restart because the apiserver went away (requireNoRestarts).
 func ruleStageRestarts(t *testing.T) map[string]int {
 	t.Helper()
 	st, err := getStages()
@@ -156,8 +156,8 @@ func changedRules(before, after testbed.RuleDump) (chains, rules int) {
 
 // TestAPIServerOutage: the apiserver goes away for a minute (the issue's
 // figure) and comes back. While it is away the rules stay exactly as they were
-// (not one kernel write), connections to a ClusterIP and a NodePort keep being
-// answered and /healthz stays 200 (nothing is pending). When it comes back,
+// (not one kernel write), connections to a ClusterIP (TCP and UDP) and a
+// NodePort keep being answered and /healthz stays 200 (nothing is pending). When it comes back,
 // kpipe's watches (closed by the server) are re-established in the same
 // process, the relist costs no rewrite (the kernel sees only the writes that
 // the change made right after the return needs, and no full sync), and that
@@ -165,13 +165,9 @@ func changedRules(before, after testbed.RuleDump) (chains, rules int) {
 func TestAPIServerOutage(t *testing.T) {
 	e := setup(t)
 	controlPlaneBackAtEnd(t)
-	svc := e.create(typed(e.ns, "echo", corev1.ServiceTypeNodePort, testbed.Port("http", corev1.ProtocolTCP, 80, testbed.EchoPort)))
-	e.endpoints(svc, 1, 2)
-	cluster := testbed.ClusterAddr(svc, 80)
-	nodePort := testbed.HostPort(testbed.NodeIPv4, testbed.NodePortOf(svc, "http"))
-	pod := tb.Pod(clientPod).NS
-	expectExactly(t, "ClusterIP before the outage", tcp(2*time.Second), pod, cluster, podIPs(1, 2))
-	expectExactly(t, "NodePort before the outage", tcp(2*time.Second), tb.ClientNS, nodePort, podIPs(1, 2))
+	svc := e.echoNodePort("echo")
+	tr := newTraffic(t, 20*time.Millisecond, podIPs(1, 2, 3), nodePortTargets(svc)...)
+	tr.start(podIPs(1, 2))
 
 	pid := e.k.PID()
 	restarts := ruleStageRestarts(t)
@@ -185,17 +181,6 @@ func TestAPIServerOutage(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer mon.Stop()
-	loops := []*loop{
-		startLoop(tcp(2*time.Second), pod, cluster, 20*time.Millisecond),
-		startLoop(tcp(2*time.Second), tb.ClientNS, nodePort, 20*time.Millisecond),
-	}
-	defer func() {
-		for _, l := range loops {
-			if l != nil {
-				l.finish()
-			}
-		}
-	}()
 	health := watchHealth(250 * time.Millisecond)
 
 	outage := outageDuration(t)
@@ -205,9 +190,8 @@ func TestAPIServerOutage(t *testing.T) {
 	}
 	t.Logf("kube-apiserver stopped in %v; keeping it down for %v", since(start), outage)
 	time.Sleep(outage - time.Since(start))
-	for _, l := range loops {
-		keepsAnswering(t, l, "end of the outage")
-	}
+	tr.keepsAnswering("end of the outage")
+	tr.endPhase("apiserver down")
 	during, err := tb.NodeRules()
 	if err != nil {
 		t.Fatal(err)
@@ -233,14 +217,12 @@ func TestAPIServerOutage(t *testing.T) {
 	back := time.Now()
 	t.Logf("kube-apiserver ready again %v after start", since(start))
 	health = watchHealth(250 * time.Millisecond)
-	var changeErr error
 	testbed.Eventually(t, 30*time.Second, func() error {
-		_, changeErr = tb.SetEndpoints(e.ctx, svc, tb.ReadyEndpoints(1, 2, 3))
-		return changeErr
+		_, err := tb.SetEndpoints(e.ctx, svc, tb.ReadyEndpoints(1, 2, 3))
+		return err
 	})
-	expectExactly(t, "ClusterIP after the change made on the return", tcp(2*time.Second), pod, cluster, podIPs(1, 2, 3))
-	t.Logf("change made on the apiserver's return programmed %v after it was ready", since(back))
-	expectExactly(t, "NodePort after the change", tcp(2*time.Second), tb.ClientNS, nodePort, podIPs(1, 2, 3))
+	tr.expectEndpoints("after the change made on the return", 1, 2, 3)
+	t.Logf("change made on the apiserver's return programmed (every target answered by it) %v after it was ready", since(back))
 	// Let a periodic sync or two pass: a late relist or a full sync would show.
 	time.Sleep(12 * time.Second)
 
@@ -263,10 +245,8 @@ func TestAPIServerOutage(t *testing.T) {
 	if len(bad) > 0 {
 		t.Errorf("/healthz not 200 after the return:\n%s", joinBad(bad))
 	}
-	for i, l := range loops {
-		l.finishWithNoFailure(t, fmt.Sprintf("loop %d, across the outage", i))
-		loops[i] = nil
-	}
+	tr.endPhase("apiserver back")
+	tr.finish()
 	if got := e.k.PID(); got != pid || !e.k.Running() {
 		t.Errorf("kpipe pid %d before the outage, %d after (running: %v)", pid, got, e.k.Running())
 	}

@@ -77,20 +77,10 @@ func TestKillEachStageLosesNoConnection(t *testing.T) {
 		})
 		t.Logf("killed %s: restarts %d -> %d in %v, state %q, lastError %q", name, before, after.Restarts, since(start), after.State, after.LastError)
 		// let traffic run against the restarted pipeline
-		n := l.answered()
-		testbed.Eventually(t, 10*time.Second, func() error {
-			if got := l.answered(); got < n+10 {
-				return fmt.Errorf("only %d connections answered since the kill of %s", got-n, name)
-			}
-			return nil
-		})
+		keepsAnswering(t, l, "since the kill of "+name)
 	}
-	ok, failures, seen := l.finish()
+	l.finishWithNoFailure(t, "connections during the kills")
 	l = nil
-	t.Logf("%d connections answered during the kills, by endpoint %v", ok, seen)
-	if len(failures) > 0 {
-		t.Fatalf("%d of %d connections failed while stages were killed:\n%s", len(failures), ok+len(failures), strings.Join(failures, "\n"))
-	}
 
 	// The restarted pipeline still follows changes.
 	e.endpoints(svc, 1, 2, 3, 4)
@@ -137,13 +127,7 @@ func TestProcessRestartKeepsTraffic(t *testing.T) {
 		t.Fatal(err)
 	}
 	t.Logf("kpipe healthy again %v after start", since(start))
-	n = l.answered()
-	testbed.Eventually(t, 10*time.Second, func() error {
-		if got := l.answered(); got < n+10 {
-			return fmt.Errorf("only %d connections answered since the restart", got-n)
-		}
-		return nil
-	})
+	keepsAnswering(t, l, "since the restart")
 
 	// A change made after the restart is programmed.
 	e.endpoints(svc, 1, 2, 3)
@@ -160,12 +144,8 @@ func TestProcessRestartKeepsTraffic(t *testing.T) {
 	})
 	t.Logf("endpoint added after the restart answered within %v", since(start))
 
-	ok, failures, seen := l.finish()
+	l.finishWithNoFailure(t, "connections across the restart")
 	l = nil
-	t.Logf("%d connections answered across the restart, by endpoint %v", ok, seen)
-	if len(failures) > 0 {
-		t.Fatalf("%d of %d connections failed across the restart:\n%s", len(failures), ok+len(failures), strings.Join(failures, "\n"))
-	}
 }
 
 func TestHealthzAndMetrics(t *testing.T) {

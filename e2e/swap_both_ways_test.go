@@ -3,10 +3,6 @@ package e2e
 import (
 	"testing"
 	"time"
-
-	corev1 "k8s.io/api/core/v1"
-
-	"github.com/kpipe/kpipe/e2e/testbed"
 )
 
 // TestSwapKubeProxyNFTablesKpipeBothWays: on a node kube-proxy's nftables mode
@@ -27,10 +23,10 @@ import (
 // to the old endpoints).
 func TestSwapKubeProxyNFTablesKpipeBothWays(t *testing.T) {
 	e := setup(t)
-	tr := newSwapTraffic(e)
+	svc, tr := newSwapTraffic(e)
 	kpIPT, kpNFT := e.kubeProxy("iptables"), e.kubeProxy("nftables")
 	e.toKubeProxy(kpIPT)
-	tr.start()
+	tr.start(podIPs(1, 2))
 	tr.keepsAnswering("kube-proxy (iptables) running")
 	tr.endPhase("kube-proxy (iptables) running")
 
@@ -51,7 +47,7 @@ func TestSwapKubeProxyNFTablesKpipeBothWays(t *testing.T) {
 	tr.finish()
 
 	changed := time.Now()
-	e.endpoints(tr.svc, 3, 4)
+	e.endpoints(svc, 3, 4)
 	if err := kpNFT.WaitSyncedAfter(changed, 30*time.Second, "IPv4"); err != nil {
 		t.Fatalf("kube-proxy (nftables) sync after an endpoint change: %v", err)
 	}
@@ -65,11 +61,8 @@ func TestSwapKubeProxyNFTablesKpipeBothWays(t *testing.T) {
 // stay 0, /healthz 200) and the remaining service answers from its endpoints.
 func TestSwapKubeProxyIPTablesKpipeBothWays(t *testing.T) {
 	e := setup(t)
-	tr := newSwapTraffic(e)
-	doomed := e.service("doomed", testbed.Port("http", corev1.ProtocolTCP, 80, testbed.EchoPort))
-	e.endpoints(doomed, 3)
-	client := tb.Pod(clientPod).NS
-	waitAnswer(t, tcp2, client, testbed.ClusterAddr(doomed, 80), 20*time.Second)
+	_, tr := newSwapTraffic(e)
+	doomed := e.doomedService()
 
 	// A node only kube-proxy has programmed: kpipe's rules removed first.
 	kp := e.kubeProxy("iptables")
@@ -84,7 +77,7 @@ func TestSwapKubeProxyIPTablesKpipeBothWays(t *testing.T) {
 	}
 	removeKubeFirewall(t)
 	e.runKubeProxy(kp)
-	tr.start()
+	tr.start(podIPs(1, 2))
 	tr.keepsAnswering("kube-proxy (iptables) running")
 	tr.endPhase("kube-proxy (iptables) running")
 
@@ -96,13 +89,7 @@ func TestSwapKubeProxyIPTablesKpipeBothWays(t *testing.T) {
 	tr.keepsAnswering("kube-proxy (iptables) running again")
 	tr.endPhase("kpipe → kube-proxy (iptables)")
 
-	deleted := time.Now()
-	if err := tb.DeleteService(e.ctx, e.ns, doomed.Name); err != nil {
-		t.Fatal(err)
-	}
-	if err := kp.WaitSyncedAfter(deleted, 30*time.Second, "IPv4"); err != nil {
-		t.Fatalf("kube-proxy's sync after the Service deletion: %v (%s = %v)", err, restoreFailuresMetric, restoreFailures(t, kp))
-	}
+	e.deleteUnderKubeProxy(kp, doomed)
 	tr.keepsAnswering("after the Service deletion")
 	tr.endPhase("kube-proxy (iptables), Service deleted")
 	tr.finish()

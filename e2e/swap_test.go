@@ -5,36 +5,14 @@ import (
 	"strings"
 	"testing"
 	"time"
-
-	corev1 "k8s.io/api/core/v1"
-
-	"github.com/kpipe/kpipe/e2e/testbed"
 )
-
-// restoreFailuresMetric counts kube-proxy's failed iptables-restore runs.
-const restoreFailuresMetric = "kubeproxy_sync_proxy_rules_iptables_restore_failures_total"
-
-// restoreFailures is kube-proxy's count of failed iptables-restore runs, all
-// IP families (absent until the first failure).
-func restoreFailures(t *testing.T, kp *testbed.KubeProxy) float64 {
-	t.Helper()
-	samples, err := kp.Metric(restoreFailuresMetric)
-	if err != nil {
-		t.Fatal(err)
-	}
-	sum := 0.0
-	for _, v := range samples {
-		sum += v
-	}
-	return sum
-}
 
 // TestSwapKpipeKubeProxyKpipeKeepsTraffic: kpipe → kube-proxy (iptables) →
 // kpipe, with the swap traffic all along: none fails.
 func TestSwapKpipeKubeProxyKpipeKeepsTraffic(t *testing.T) {
 	e := setup(t)
-	tr := newSwapTraffic(e)
-	tr.start()
+	_, tr := newSwapTraffic(e)
+	tr.start(podIPs(1, 2))
 	tr.keepsAnswering("kpipe running")
 	tr.endPhase("kpipe running")
 	kp := e.kubeProxy("iptables")
@@ -54,32 +32,20 @@ func TestSwapKpipeKubeProxyKpipeKeepsTraffic(t *testing.T) {
 // back.
 func TestSwapToKubeProxyThenDeleteAService(t *testing.T) {
 	e, svc, addr, client := answeringEcho(t)
-	doomed := e.service("doomed", testbed.Port("http", corev1.ProtocolTCP, 80, testbed.EchoPort))
-	e.endpoints(doomed, 3)
-	waitAnswer(t, tcp(2*time.Second), client, testbed.ClusterAddr(doomed, 80), 20*time.Second)
+	doomed := e.doomedService()
 
-	l := startLoop(tcp(2*time.Second), client, addr, 10*time.Millisecond)
-	defer func() {
-		if l != nil {
-			l.finish()
-		}
-	}()
+	tr := newTraffic(t, 10*time.Millisecond, podIPs(1, 2, 4), target{"ClusterIP TCP", tcp2, client, addr})
+	tr.start(podIPs(1, 2))
 	kp := e.kubeProxy("iptables")
 	e.toKubeProxy(kp)
-	keepsAnswering(t, l, "kube-proxy running")
+	tr.keepsAnswering("kube-proxy running")
 	if n := restoreFailures(t, kp); n != 0 {
 		t.Fatalf("kube-proxy's first sync over kpipe's rules: %s = %v", restoreFailuresMetric, n)
 	}
 
 	// Delete a Service kpipe programmed; then change another one, for one more
 	// sync. Every sync must restore.
-	deleted := time.Now()
-	if err := tb.DeleteService(e.ctx, e.ns, doomed.Name); err != nil {
-		t.Fatal(err)
-	}
-	if err := kp.WaitSyncedAfter(deleted, 30*time.Second, "IPv4"); err != nil {
-		t.Fatalf("kube-proxy's sync after the Service deletion: %v (%s = %v)", err, restoreFailuresMetric, restoreFailures(t, kp))
-	}
+	e.deleteUnderKubeProxy(kp, doomed)
 	changed := time.Now()
 	e.endpoints(svc, 1, 2, 4)
 	if err := kp.WaitSyncedAfter(changed, 30*time.Second, "IPv4"); err != nil {
@@ -97,14 +63,9 @@ func TestSwapToKubeProxyThenDeleteAService(t *testing.T) {
 			t.Errorf("%s: kpipe's dispatch chains still there under kube-proxy: %v", f, left)
 		}
 	}
-	keepsAnswering(t, l, "after the Service deletion")
-
-	ok, failures, seen := l.finish()
-	l = nil
-	t.Logf("kpipe → kube-proxy: %d connections answered, %d failed, by endpoint %v", ok, len(failures), seen)
-	if len(failures) > 0 {
-		t.Errorf("%d of %d connections failed across the swap:\n%s", len(failures), ok+len(failures), strings.Join(failures, "\n"))
-	}
+	tr.keepsAnswering("after the Service deletion")
+	tr.endPhase("kpipe → kube-proxy (iptables), a Service deleted")
+	tr.finish()
 
 	// kpipe takes the node back with its defaults.
 	e.toKpipe(kp)

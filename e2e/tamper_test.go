@@ -84,9 +84,9 @@ func TestTamperRepairedWithinASecond(t *testing.T) {
 	}
 	var report []string
 	for _, c := range cases {
-		addAgent(t)
-		before := kpipeRules(t)
-		agentBefore := map[string][]string{"nat": agentRules(t, "nat"), "filter": agentRules(t, "filter")}
+		e.addAgent()
+		before := e.kpipeRules()
+		agentBefore := map[string][]string{"nat": e.agentRules("nat"), "filter": e.agentRules("filter")}
 		want := map[string][]string{}
 		for table, rules := range agentBefore {
 			switch {
@@ -100,7 +100,7 @@ func TestTamperRepairedWithinASecond(t *testing.T) {
 		}
 		// kpipeBack is what is timed; repaired adds the other agent's rules.
 		kpipeBack := func() error {
-			if d := testbed.Diff(before, kpipeRules(t), "before", "now"); d != "" {
+			if d := testbed.Diff(before, e.kpipeRules(), "before", "now"); d != "" {
 				return fmt.Errorf("kpipe's rules are not what they were:\n%s", d)
 			}
 			if c.first {
@@ -113,7 +113,7 @@ func TestTamperRepairedWithinASecond(t *testing.T) {
 				return err
 			}
 			for table, rules := range want {
-				if got := agentRules(t, table); !slices.Equal(got, rules) {
+				if got := e.agentRules(table); !slices.Equal(got, rules) {
 					return fmt.Errorf("the other agent's %s rules are %q; want %q", table, got, rules)
 				}
 			}
@@ -178,16 +178,12 @@ func TestTamperRepairedWithinASecond(t *testing.T) {
 // chain are sorted: their order among themselves depends on which went missing
 // when (each missing one is put back first, as kube-proxy does), and kpipe's
 // jumps being in front of other rules is checked apart (frontJumpFirst).
-func kpipeRules(t *testing.T) testbed.RuleDump {
-	t.Helper()
+func (e *env) kpipeRules() testbed.RuleDump {
+	e.t.Helper()
 	var d testbed.RuleDump
 	for _, table := range []string{"nat", "filter"} {
-		out, err := tb.Exec(tb.NodeNS, "iptables-save", "-t", table)
-		if err != nil {
-			t.Fatalf("iptables-save -t %s: %v", table, err)
-		}
-		if err := d.NormalizeSave("ipv4", out); err != nil {
-			t.Fatal(err)
+		if err := d.NormalizeSave("ipv4", e.iptablesSave(table)); err != nil {
+			e.t.Fatal(err)
 		}
 	}
 	for key, rules := range d.Chains {
@@ -200,14 +196,10 @@ func kpipeRules(t *testing.T) testbed.RuleDump {
 
 // agentRules are the other agent's lines in table: its chain (":KPE2E-AGENT")
 // and its rules, in order.
-func agentRules(t *testing.T, table string) []string {
-	t.Helper()
-	out, err := tb.Exec(tb.NodeNS, "iptables-save", "-t", table)
-	if err != nil {
-		t.Fatalf("iptables-save -t %s: %v", table, err)
-	}
+func (e *env) agentRules(table string) []string {
+	e.t.Helper()
 	var lines []string
-	for _, l := range strings.Split(out, "\n") {
+	for _, l := range strings.Split(e.iptablesSave(table), "\n") {
 		if strings.HasPrefix(l, ":"+agentChain+" ") {
 			lines = append(lines, ":"+agentChain)
 		} else if strings.Contains(l, `"`+agentComment+`"`) {
@@ -238,10 +230,10 @@ func frontJumpFirst(t *testing.T) error {
 
 // addAgent puts the other agent's chains and rules in place (nat and filter),
 // as far as they are missing.
-func addAgent(t *testing.T) {
-	t.Helper()
+func (e *env) addAgent() {
+	e.t.Helper()
 	for table, from := range map[string]string{"nat": "PREROUTING", "filter": "INPUT"} {
-		rules := agentRules(t, table)
+		rules := e.agentRules(table)
 		cmds := [][]string{}
 		if !slices.Contains(rules, ":"+agentChain) {
 			cmds = append(cmds, []string{"-N", agentChain})
@@ -256,7 +248,7 @@ func addAgent(t *testing.T) {
 		}
 		for _, c := range cmds {
 			if out, err := tb.Exec(tb.NodeNS, append([]string{"iptables", "-w", "-t", table}, c...)...); err != nil {
-				t.Fatalf("add the other agent's rules: %v %s", err, out)
+				e.t.Fatalf("add the other agent's rules: %v %s", err, out)
 			}
 		}
 	}
