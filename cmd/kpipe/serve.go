@@ -85,7 +85,7 @@ func (d deps) reconfigured(o *Options, h nodeHost, log *slog.Logger) (deps, erro
 	d.log = log
 	d.connect(client)
 	// After node set-up: the host's facts include the conntrack sysctls.
-	d.host = prepareHost(o, log)
+	d.host = prepareHost(log)
 	return d, nil
 }
 
