@@ -170,29 +170,19 @@ func (o *Options) applyConfig(c *kubeproxy.KubeProxyConfiguration, fs *pflag.Fla
 	return nil
 }
 
-// applyConntrackConfig sets the node set-up options from the file: kube-proxy's
-// defaults where a pointer field is unset, the file's value (zero included)
-// otherwise.
+// applyConntrackConfig sets the node set-up options from the file. Its pointer
+// fields are never nil: setConfigDefaults gave an unset one kube-proxy's
+// default, and a set one keeps its value (zero included).
 func (o *Options) applyConntrackConfig(c *kubeproxy.KubeProxyConfiguration, set func(string, func())) {
 	ct, oc := &c.Conntrack, &o.Conntrack
-	if ct.MaxPerCore != nil {
-		set("conntrack-max-per-core", func() { oc.MaxPerCore = *ct.MaxPerCore })
-	}
-	if ct.Min != nil {
-		set("conntrack-min", func() { oc.Min = *ct.Min })
-	}
-	if ct.TCPEstablishedTimeout != nil {
-		set("conntrack-tcp-timeout-established", func() { oc.TCPEstablishedTimeout = ct.TCPEstablishedTimeout.Duration })
-	}
-	if ct.TCPCloseWaitTimeout != nil {
-		set("conntrack-tcp-timeout-close-wait", func() { oc.TCPCloseWaitTimeout = ct.TCPCloseWaitTimeout.Duration })
-	}
+	set("conntrack-max-per-core", func() { oc.MaxPerCore = *ct.MaxPerCore })
+	set("conntrack-min", func() { oc.Min = *ct.Min })
+	set("conntrack-tcp-timeout-established", func() { oc.TCPEstablishedTimeout = ct.TCPEstablishedTimeout.Duration })
+	set("conntrack-tcp-timeout-close-wait", func() { oc.TCPCloseWaitTimeout = ct.TCPCloseWaitTimeout.Duration })
 	set("conntrack-tcp-be-liberal", func() { oc.TCPBeLiberal = ct.TCPBeLiberal })
 	set("conntrack-udp-timeout", func() { oc.UDPTimeout = ct.UDPTimeout.Duration })
 	set("conntrack-udp-timeout-stream", func() { oc.UDPStreamTimeout = ct.UDPStreamTimeout.Duration })
-	if c.OOMScoreAdj != nil {
-		set("oom-score-adj", func() { o.OOMScoreAdj = *c.OOMScoreAdj })
-	}
+	set("oom-score-adj", func() { o.OOMScoreAdj = *c.OOMScoreAdj })
 }
 
 // levelOfVerbosity maps kube-proxy's klog verbosity onto kpipe's levels: kpipe's
@@ -211,9 +201,10 @@ func levelOfVerbosity(v int) string {
 func (o *Options) effectiveConfig() *kubeproxy.KubeProxyConfiguration {
 	c := &kubeproxy.KubeProxyConfiguration{}
 	if o.file != nil {
-		c = o.file.DeepCopy()
+		c = o.file.DeepCopy() // defaulted by loadConfigFile
+	} else {
+		setConfigDefaults(c)
 	}
-	setConfigDefaults(c)
 	c.TypeMeta = metav1.TypeMeta{APIVersion: kubeproxy.SchemeGroupVersion.String(), Kind: "KubeProxyConfiguration"}
 	if o.FeatureGates != nil {
 		c.FeatureGates = o.FeatureGates

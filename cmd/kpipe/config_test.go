@@ -112,6 +112,10 @@ func TestConfigKubeadmFileGetsKubeProxyDefaults(t *testing.T) {
 		"LogFormat":           "text",
 		"EnableDebugHandlers": false,
 		"EnableProfiling":     false,
+		// kubeadm's conntrack fields and oomScoreAdj are null.
+		"Conntrack": ConntrackOptions{MaxPerCore: 32 * 1024, Min: 128 * 1024,
+			TCPEstablishedTimeout: 24 * time.Hour, TCPCloseWaitTimeout: time.Hour},
+		"OOMScoreAdj": int32(-999),
 	}
 	checkOptions(t, o, want)
 	if len(o.NodePortAddresses) != 0 {

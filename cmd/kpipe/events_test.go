@@ -1,7 +1,6 @@
 package main
 
 import (
-	"context"
 	"log/slog"
 	"testing"
 
@@ -20,16 +19,9 @@ func TestBuildTreeRecordsStarting(t *testing.T) {
 	if err := o.complete(); err != nil {
 		t.Fatal(err)
 	}
-	d := fakeDeps(client, fakekernel.New(), slog.New(slog.DiscardHandler))
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan error, 1)
-	go func() { done <- buildTree(o, d).Run(ctx) }()
-	defer func() {
-		cancel()
-		if err := <-done; err != nil {
-			t.Errorf("Run = %v after cancel", err)
-		}
-	}()
+	var logs syncBuffer
+	d := fakeDeps(client, fakekernel.New(), slog.New(slog.NewTextHandler(&logs, nil)))
+	ctx := runInBackground(t, &logs, buildTree(o, d).Run)
 
 	e := waitNodeEvent(ctx, t, client, "Starting")
 	if e.Type != "Normal" || e.ReportingController != "kube-proxy" || e.Action != "StartKubeProxy" {

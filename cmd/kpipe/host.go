@@ -53,9 +53,8 @@ type hostFacts struct {
 	nfacct render.NFAcctObjects
 }
 
-// prepareHost learns what render must know
-// about the host.
-func prepareHost(o *Options, log *slog.Logger) hostFacts {
+// prepareHost learns what render must know about the host.
+func prepareHost(log *slog.Logger) hostFacts {
 	// route_localnet is set by commit, once the rule that guards 127.0.0.0/8 is in.
 	v, err := nf.ReadSysctl("net/netfilter/nf_conntrack_tcp_be_liberal")
 	facts := hostFacts{conntrackLiberal: err == nil && v != "0", noRandomFully: map[bus.Family]bool{}}

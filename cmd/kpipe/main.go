@@ -42,10 +42,7 @@ func runWith(args []string, serve func(context.Context, *Options) error) int {
 			return nil
 		},
 		RunE: func(cmd *cobra.Command, _ []string) error {
-			if err := opts.resolve(cmd.Flags()); err != nil {
-				return err
-			}
-			if err := opts.complete(); err != nil {
+			if err := opts.finish(cmd.Flags()); err != nil {
 				return err
 			}
 			if opts.WriteConfigTo != "" {

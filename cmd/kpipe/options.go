@@ -137,6 +137,16 @@ func isUsage(err error) bool {
 	return errors.As(err, &u)
 }
 
+// finish turns parsed flags into the options kpipe runs with: the config file
+// under the flags (resolve), then checked (complete). Start-up and each reload
+// of the config file go through it.
+func (o *Options) finish(fs *pflag.FlagSet) error {
+	if err := o.resolve(fs); err != nil {
+		return err
+	}
+	return o.complete()
+}
+
 // complete checks the options and derives the parsed forms.
 func (o *Options) complete() error {
 	if o.ProxyMode != "iptables" && o.ProxyMode != "" {

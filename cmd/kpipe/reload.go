@@ -99,10 +99,7 @@ func (o *Options) reread() (*Options, error) {
 	if err := fs.Parse(o.args); err != nil {
 		return nil, err
 	}
-	if err := n.resolve(fs); err != nil {
-		return nil, err
-	}
-	if err := n.complete(); err != nil {
+	if err := n.finish(fs); err != nil {
 		return nil, err
 	}
 	return n, nil

@@ -197,3 +197,18 @@ func waitNodeEvent(ctx context.Context, t *testing.T, client kubernetes.Interfac
 		}
 	}
 }
+
+// A changed config file whose apiserver client cannot be made is rejected
+// before any of it is applied: the node's conntrack sysctls and OOM score stay
+// as they were (kpipe says it runs on the previous configuration).
+func TestRejectedReloadLeavesTheNodeAlone(t *testing.T) {
+	o, err := parse(t, "--hostname-override=n", "--kubeconfig="+filepath.Join(t.TempDir(), "missing"), "--conntrack-min=1", "--oom-score-adj=5")
+	if err != nil {
+		t.Fatal(err)
+	}
+	h := tempNodeHost(t, 2)
+	if _, err := (deps{}).reconfigured(o, h, discard()); err == nil {
+		t.Fatal("deps made for a kubeconfig that does not exist")
+	}
+	checkSysctls(t, sysctlsOf(t, h), map[string]string{})
+}

@@ -30,9 +30,8 @@ func serve(ctx context.Context, o *Options) error {
 	if o.Cleanup {
 		return cleanup(ctx, log)
 	}
-	// Node set-up comes before realDeps, which reads the conntrack sysctls.
-	setupFailures := setUpNode(o, realNodeHost, log)
 	if o.InitOnly {
+		setUpNode(o, realNodeHost, log)
 		removeNFTablesMode(ctx, log)
 		log.Info("node set up (--init-only); exiting")
 		return nil
@@ -42,12 +41,9 @@ func serve(ctx context.Context, o *Options) error {
 		return err
 	}
 	d.afterSync = removeNFTablesMode
-	d.setupFailures = setupFailures
 	o.logIgnored(log)
 	return runReloading(ctx, o, d, watchConfigFile(ctx, o.ConfigFile, log), func(o *Options, d deps) (deps, error) {
-		log := newLogger(os.Stderr, o.LogFormat, o.LogLevel)
-		d.setupFailures = setUpNode(o, realNodeHost, log)
-		return d.reconfigured(o, log)
+		return d.reconfigured(o, realNodeHost, newLogger(os.Stderr, o.LogFormat, o.LogLevel))
 	})
 }
 
@@ -71,20 +67,25 @@ func realDeps(o *Options, log *slog.Logger) (deps, error) {
 		Help: "Rule writes the netlink writer encoded but the kernel refused, which iptables-restore then made (or was refused too).",
 	}, func() float64 { return float64(nf.NetlinkFallbacks.Load()) }))
 	d.registry.MustRegister(metrics.NFAcct{Reader: nf.NFAcct{}, InvalidDropped: nf.NFAcctInvalidDropped, LocalhostNodePorts: nf.NFAcctLocalhostNodePorts, Log: log})
-	return d.reconfigured(o, log)
+	return d.reconfigured(o, realNodeHost, log)
 }
 
 // reconfigured are d for the options o: a new apiserver client and event
-// recorder (the client connection may have changed), the host's facts read
-// again; the kernels, the conntrack connection and the metrics stay.
-func (d deps) reconfigured(o *Options, log *slog.Logger) (deps, error) {
+// recorder (the client connection may have changed), the node set up on h and
+// the host's facts read again; the kernels, the conntrack connection and the
+// metrics stay. The client comes first, as in kube-proxy: options it fails on
+// change nothing on the node (a reload rejected for it leaves the running
+// configuration whole).
+func (d deps) reconfigured(o *Options, h nodeHost, log *slog.Logger) (deps, error) {
 	client, err := newClient(o)
 	if err != nil {
 		return deps{}, err
 	}
+	d.setupFailures = setUpNode(o, h, log)
 	d.log = log
 	d.connect(client)
-	d.host = prepareHost(o, log)
+	// After node set-up: the host's facts include the conntrack sysctls.
+	d.host = prepareHost(log)
 	return d, nil
 }
 
