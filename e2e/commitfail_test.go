@@ -20,7 +20,8 @@ const healthTimeout = 10 * time.Second
 const restoreFailuresMetricName = "kubeproxy_sync_proxy_rules_iptables_restore_failures_total"
 
 // serviceChainOf is the KUBE-SVC- chain the node's nat table sends svc's
-// ClusterIP:port to.
+// ClusterIP:port to, told from kpipe's dispatch chains by serviceChain (one
+// service chain in 32 also starts "KUBE-SVC-B": its hash begins with B).
 func serviceChainOf(t *testing.T, e *env, svc *corev1.Service) string {
 	t.Helper()
 	ip := svc.Spec.ClusterIP + "/32"
@@ -28,7 +29,7 @@ func serviceChainOf(t *testing.T, e *env, svc *corev1.Service) string {
 	testbed.Eventually(t, 15*time.Second, func() error {
 		for _, r := range rulesMatching(e.iptablesSave("nat"), "-d "+ip, "-j KUBE-SVC-") {
 			f := strings.Fields(r)
-			if c := f[len(f)-1]; !strings.HasPrefix(c, "KUBE-SVC-B") {
+			if c := f[len(f)-1]; serviceChain.MatchString(c) {
 				chain = c
 				return nil
 			}
