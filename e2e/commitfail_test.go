@@ -1,14 +1,12 @@
 package e2e
 
 import (
-	"context"
 	"fmt"
 	"strings"
 	"testing"
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
-	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	"github.com/kpipe/kpipe/e2e/testbed"
 )
@@ -41,20 +39,17 @@ func serviceChainOf(t *testing.T, e *env, svc *corev1.Service) string {
 
 // syncFailedWarning finds kpipe's SyncProxyRulesFailed Warning on the Node,
 // recorded after since.
-func syncFailedWarning(ctx context.Context, since time.Time) (string, error) {
-	ctx, cancel := context.WithTimeout(ctx, 5*time.Second)
-	defer cancel()
-	list, err := tb.Client().EventsV1().Events("default").List(ctx, metav1.ListOptions{})
+func (e *env) syncFailedWarning(since time.Time) (string, error) {
+	evs, err := e.nodeEventsSince("SyncProxyRulesFailed", since)
 	if err != nil {
 		return "", err
 	}
-	for _, ev := range list.Items {
-		if ev.Reason == "SyncProxyRulesFailed" && ev.Type == corev1.EventTypeWarning && ev.Regarding.Kind == "Node" &&
-			ev.Regarding.Name == testbed.NodeName && ev.ReportingController == "kube-proxy" && !ev.EventTime.Time.Before(since) {
+	for _, ev := range evs {
+		if ev.Type == corev1.EventTypeWarning && ev.ReportingController == "kube-proxy" {
 			return ev.Note, nil
 		}
 	}
-	return "", fmt.Errorf("no SyncProxyRulesFailed Warning on Node %s since %s among %d events", testbed.NodeName, since.Format(time.RFC3339), len(list.Items))
+	return "", fmt.Errorf("no SyncProxyRulesFailed Warning from kube-proxy on Node %s since %s among %d such events", testbed.NodeName, since.Format(time.RFC3339), len(evs))
 }
 
 // TestCommitRejectedByTheKernel: another agent on the node has a rule of its
@@ -146,7 +141,7 @@ func TestCommitRejectedByTheKernel(t *testing.T) {
 	var note string
 	testbed.Eventually(t, 15*time.Second, func() error {
 		var err error
-		note, err = syncFailedWarning(e.ctx, start.Add(-time.Second))
+		note, err = e.syncFailedWarning(start.Add(-time.Second))
 		return err
 	})
 	t.Logf("Warning on the Node: %s", note)
