@@ -2,7 +2,6 @@ package e2e
 
 import (
 	"fmt"
-	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -81,19 +80,13 @@ func TestNFAcctMetrics(t *testing.T) {
 // be there.
 func counter(t *testing.T, name string) float64 {
 	t.Helper()
-	code, body, err := tb.HTTPGet(tb.NodeNS, testbed.MetricsURL+"/metrics")
-	if err != nil || code != 200 {
-		t.Fatalf("/metrics: HTTP %d, %v", code, err)
+	m, err := kpipeMetrics()
+	if err != nil {
+		t.Fatal(err)
 	}
-	for _, l := range strings.Split(string(body), "\n") {
-		if f := strings.Fields(l); len(f) == 2 && f[0] == name {
-			v, err := strconv.ParseFloat(f[1], 64)
-			if err != nil {
-				t.Fatalf("%s: %v", l, err)
-			}
-			return v
-		}
+	v, ok := m[name]
+	if !ok {
+		t.Fatalf("no %s on /metrics", name)
 	}
-	t.Fatalf("no %s on /metrics", name)
-	return 0
+	return v
 }
