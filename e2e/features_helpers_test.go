@@ -379,12 +379,12 @@ func short(ns string) string {
 	return ns
 }
 
-// rulesMatching returns the lines of an iptables-save dump containing every
-// one of words.
 // serviceChain matches the name of a service port's KUBE-SVC- chain (kube-proxy's
 // hash: 16 base32 characters), not kpipe's KUBE-SVC-B<bits>- dispatch chains.
 var serviceChain = regexp.MustCompile(`^KUBE-SVC-[A-Z2-7]{16}$`)
 
+// rulesMatching returns the lines of an iptables-save dump containing every
+// one of words.
 func rulesMatching(save string, words ...string) []string {
 	var out []string
 	for _, l := range strings.Split(save, "\n") {
