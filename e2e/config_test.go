@@ -162,12 +162,7 @@ var conntrackSysctls = []string{"nf_conntrack_tcp_timeout_established", "nf_conn
 func keepConntrackSysctls(t *testing.T) {
 	t.Helper()
 	for _, name := range conntrackSysctls {
-		path := "/proc/sys/net/netfilter/" + name
-		before, err := tb.Exec(tb.NodeNS, "cat", path)
-		if err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(func() { _, _ = tb.Exec(tb.NodeNS, "sh", "-c", "echo "+strings.TrimSpace(before)+" > "+path) })
+		keepNodeSysctl(t, "/proc/sys/net/netfilter/"+name)
 	}
 }
 

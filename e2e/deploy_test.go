@@ -516,7 +516,7 @@ func TestDeployRBAC(t *testing.T) {
 		}
 	}
 	// Not granted, every time.
-	for range 3 {
+	for range settleRequests {
 		_, err := sa.CoreV1().Secrets(metav1.NamespaceSystem).List(ctx, list)
 		if !apierrors.IsForbidden(err) {
 			t.Fatalf("list secrets as kube-system:kube-proxy: %v, want Forbidden", err)
@@ -526,7 +526,7 @@ func TestDeployRBAC(t *testing.T) {
 				t.Errorf("kube-system:kube-proxy is allowed %v, which kpipe never does", c)
 			}
 		}
-		time.Sleep(100 * time.Millisecond)
+		time.Sleep(settleInterval)
 	}
 }
 

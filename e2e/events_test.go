@@ -110,7 +110,7 @@ func TestEventsNodeSetupFailure(t *testing.T) {
 			ev.Name, ev.Type, ev.ReportingController, ev.Action, ev.Note)
 	}
 	t.Logf("set-up event: %s", ev.Note)
-	if evs, _ := e.nodeEventsSince("NodeSetupFailed", started); len(evs) != 1 {
-		t.Errorf("%d set-up events, want 1 (only nf_conntrack_max fails): %v", len(evs), evs)
+	if evs, err := e.nodeEventsSince("NodeSetupFailed", started); err != nil || len(evs) != 1 {
+		t.Errorf("%d set-up events (%v), want 1 (only nf_conntrack_max fails): %v", len(evs), err, evs)
 	}
 }

@@ -1,11 +1,9 @@
 package e2e
 
 import (
-	"bufio"
 	"errors"
 	"fmt"
 	"regexp"
-	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -381,12 +379,12 @@ func short(ns string) string {
 	return ns
 }
 
-// rulesMatching returns the lines of an iptables-save dump containing every
-// one of words.
 // serviceChain matches the name of a service port's KUBE-SVC- chain (kube-proxy's
 // hash: 16 base32 characters), not kpipe's KUBE-SVC-B<bits>- dispatch chains.
 var serviceChain = regexp.MustCompile(`^KUBE-SVC-[A-Z2-7]{16}$`)
 
+// rulesMatching returns the lines of an iptables-save dump containing every
+// one of words.
 func rulesMatching(save string, words ...string) []string {
 	var out []string
 	for _, l := range strings.Split(save, "\n") {
@@ -414,45 +412,20 @@ func metricSum(t *testing.T, name string, labels map[string]string) float64 {
 
 // scrapeSum is metricSum's work: an error when /metrics does not answer.
 func scrapeSum(name string, labels map[string]string) (float64, error) {
-	code, body, err := tb.HTTPGet(tb.NodeNS, testbed.MetricsURL+"/metrics")
+	m, err := kpipeMetrics()
 	if err != nil {
 		return 0, err
 	}
-	if code != 200 {
-		return 0, fmt.Errorf("/metrics: HTTP %d: %s", code, body)
-	}
 	sum := 0.0
-	sc := bufio.NewScanner(strings.NewReader(string(body)))
-	sc.Buffer(make([]byte, 1<<20), 1<<20)
-	for sc.Scan() {
-		l := sc.Text()
-		if !strings.HasPrefix(l, name+"{") && !strings.HasPrefix(l, name+" ") {
-			continue
-		}
-		var lbls, rest string
-		if i := strings.IndexByte(l, '{'); i == len(name) {
-			j := strings.LastIndexByte(l, '}')
-			if j < 0 {
-				continue
-			}
-			lbls, rest = l[i+1:j], l[j+1:]
-		} else {
-			rest = l[len(name):]
-		}
-		match := true
-		for k, v := range labels {
-			match = match && strings.Contains(","+lbls+",", ","+k+"="+strconv.Quote(v)+",")
-		}
-		if !match {
-			continue
-		}
-		f := strings.Fields(rest)
-		if len(f) == 0 {
-			continue
-		}
-		if v, err := strconv.ParseFloat(f[0], 64); err == nil {
+	for key, v := range m {
+		if testbed.SampleOf(key, name, labels) {
 			sum += v
 		}
 	}
 	return sum, nil
+}
+
+// kpipeMetrics scrapes kpipe's /metrics (see testbed.ScrapeMetrics).
+func kpipeMetrics() (map[string]float64, error) {
+	return tb.ScrapeMetrics(tb.NodeNS, testbed.MetricsURL+"/metrics")
 }

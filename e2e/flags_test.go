@@ -118,17 +118,14 @@ func TestMasqueradeBit(t *testing.T) {
 // client to a pod raise that rule's packet counter.
 func TestInvalidDropRule(t *testing.T) {
 	e := setup(t)
-	const sysctl = "net.netfilter.nf_conntrack_tcp_be_liberal"
 	// With or without the nfacct match that counts the drops (TestNFAcctMetrics).
 	rule := []string{"-A KUBE-FORWARD -m conntrack --ctstate INVALID ", " -j DROP"}
 	hasRule := func() bool { return len(rulesMatching(e.iptablesSave("filter"), rule...)) > 0 }
 	setSysctl := func(v string) error {
-		_, err := tb.Exec(tb.NodeNS, "sysctl", "-q", "-w", sysctl+"="+v)
+		_, err := tb.Exec(tb.NodeNS, "sysctl", "-q", "-w", liberalSysctl+"="+v)
 		return err
 	}
-	if out, err := tb.Exec(tb.NodeNS, "sysctl", "-n", sysctl); err != nil || strings.TrimSpace(out) != "0" {
-		t.Fatalf("%s in the node namespace: %q, %v; want 0 to start", sysctl, out, err)
-	}
+	requireStrictConntrack(t)
 
 	if !hasRule() {
 		t.Fatalf("liberal conntrack off, but no %q in the filter table:\n%s", rule, e.iptablesSave("filter"))
@@ -142,10 +139,8 @@ func TestInvalidDropRule(t *testing.T) {
 			return err
 		}
 		const n = 5
-		for i := 0; i < n; i++ {
-			if err := tb.SendTCPSegment(tb.ClientNS, testbed.ClientIPv4, target.IPv4, uint16(40000+i), testbed.EchoPort, testbed.TCPSyn|testbed.TCPFin); err != nil {
-				return err
-			}
+		if err := sendSynFin(target.IPv4, 40000, n); err != nil {
+			return err
 		}
 		var after int
 		err = testbed.Poll(2*time.Second, 50*time.Millisecond, func() error {
@@ -176,9 +171,9 @@ func TestInvalidDropRule(t *testing.T) {
 	}
 	e.restartKpipe()
 	if hasRule() {
-		t.Fatalf("%s=1 when kpipe started, yet %q is in the filter table", sysctl, rule)
+		t.Fatalf("%s=1 when kpipe started, yet %q is in the filter table", liberalSysctl, rule)
 	}
-	t.Logf("%s=1: no INVALID drop rule in KUBE-FORWARD", sysctl)
+	t.Logf("%s=1: no INVALID drop rule in KUBE-FORWARD", liberalSysctl)
 	svc := e.service("echo", testbed.Port("tcp", corev1.ProtocolTCP, 80, testbed.EchoPort))
 	e.endpoints(svc, 1, 2)
 	expectExactly(t, "liberal conntrack: a ClusterIP still works", tcp2, tb.Pod(clientPod).NS, testbed.ClusterAddr(svc, 80), podIPs(1, 2))
@@ -189,7 +184,7 @@ func TestInvalidDropRule(t *testing.T) {
 	}
 	e.restoreKpipe()
 	if !hasRule() {
-		t.Fatalf("%s=0 again and kpipe restarted, but no %q", sysctl, rule)
+		t.Fatalf("%s=0 again and kpipe restarted, but no %q", liberalSysctl, rule)
 	}
 }
 
@@ -206,4 +201,28 @@ func invalidDrops() (int, error) {
 		}
 	}
 	return 0, fmt.Errorf("no INVALID DROP rule in KUBE-FORWARD:\n%s", out)
+}
+
+const liberalSysctl = "net.netfilter.nf_conntrack_tcp_be_liberal"
+
+// requireStrictConntrack fails the test unless the node namespace's conntrack
+// is strict (nf_conntrack_tcp_be_liberal 0, the test bed's): only then does
+// kpipe write KUBE-FORWARD's INVALID drop rule.
+func requireStrictConntrack(t *testing.T) {
+	t.Helper()
+	if out, err := tb.Exec(tb.NodeNS, "sysctl", "-n", liberalSysctl); err != nil || strings.TrimSpace(out) != "0" {
+		t.Fatalf("%s in the node namespace: %q, %v; want 0 (else there is no INVALID drop rule)", liberalSysctl, out, err)
+	}
+}
+
+// sendSynFin sends n SYN+FIN segments (an invalid flag combination, dropped as
+// INVALID in KUBE-FORWARD) from the client to ip's echo port, from source
+// ports firstPort on.
+func sendSynFin(ip string, firstPort, n int) error {
+	for i := range n {
+		if err := tb.SendTCPSegment(tb.ClientNS, testbed.ClientIPv4, ip, uint16(firstPort+i), testbed.EchoPort, testbed.TCPSyn|testbed.TCPFin); err != nil {
+			return err
+		}
+	}
+	return nil
 }

@@ -342,3 +342,18 @@ func (e *env) answeringEcho() (*corev1.Service, string, string) {
 	waitAnswer(e.t, tcp(2*time.Second), client, addr, 20*time.Second)
 	return svc, addr, client
 }
+
+// keepNodeSysctl puts the node namespace's sysctl at path (/proc/sys/...) back
+// to its value now when the test ends.
+func keepNodeSysctl(t *testing.T, path string) {
+	t.Helper()
+	before, err := tb.Exec(tb.NodeNS, "cat", path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		if _, err := tb.Exec(tb.NodeNS, "sh", "-c", "echo "+strings.TrimSpace(before)+" > "+path); err != nil {
+			t.Errorf("cleanup: put %s back: %v", path, err)
+		}
+	})
+}

@@ -2,8 +2,6 @@ package e2e
 
 import (
 	"fmt"
-	"strconv"
-	"strings"
 	"testing"
 	"time"
 
@@ -24,20 +22,15 @@ const (
 // does not count as localhost.
 func TestNFAcctMetrics(t *testing.T) {
 	e := setup(t)
-	const sysctl = "net.netfilter.nf_conntrack_tcp_be_liberal"
-	if out, err := tb.Exec(tb.NodeNS, "sysctl", "-n", sysctl); err != nil || strings.TrimSpace(out) != "0" {
-		t.Fatalf("%s in the node namespace: %q, %v; want 0 (else there is no INVALID drop rule)", sysctl, out, err)
-	}
+	requireStrictConntrack(t)
 
 	// SYN+FIN segments (an invalid flag combination) forwarded from the client
 	// to a pod are dropped as INVALID, each counted.
 	target := tb.Pod(1)
 	before := counter(t, invalidDroppedMetric)
 	const n = 5
-	for i := 0; i < n; i++ {
-		if err := tb.SendTCPSegment(tb.ClientNS, testbed.ClientIPv4, target.IPv4, uint16(41000+i), testbed.EchoPort, testbed.TCPSyn|testbed.TCPFin); err != nil {
-			t.Fatal(err)
-		}
+	if err := sendSynFin(target.IPv4, 41000, n); err != nil {
+		t.Fatal(err)
 	}
 	testbed.Eventually(t, 5*time.Second, func() error {
 		if after := counter(t, invalidDroppedMetric); after < before+n {
@@ -81,19 +74,13 @@ func TestNFAcctMetrics(t *testing.T) {
 // be there.
 func counter(t *testing.T, name string) float64 {
 	t.Helper()
-	code, body, err := tb.HTTPGet(tb.NodeNS, testbed.MetricsURL+"/metrics")
-	if err != nil || code != 200 {
-		t.Fatalf("/metrics: HTTP %d, %v", code, err)
+	m, err := kpipeMetrics()
+	if err != nil {
+		t.Fatal(err)
 	}
-	for _, l := range strings.Split(string(body), "\n") {
-		if f := strings.Fields(l); len(f) == 2 && f[0] == name {
-			v, err := strconv.ParseFloat(f[1], 64)
-			if err != nil {
-				t.Fatalf("%s: %v", l, err)
-			}
-			return v
-		}
+	v, ok := m[name]
+	if !ok {
+		t.Fatalf("no %s on /metrics", name)
 	}
-	t.Fatalf("no %s on /metrics", name)
-	return 0
+	return v
 }

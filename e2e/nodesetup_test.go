@@ -174,12 +174,8 @@ const establishedSysctl = "/proc/sys/net/netfilter/nf_conntrack_tcp_timeout_esta
 // nftables-mode tables are gone while other nftables tables stay.
 func TestInitOnlySetsUpTheNode(t *testing.T) {
 	setup(t)
-	before, err := tb.Exec(tb.NodeNS, "cat", establishedSysctl)
-	if err != nil {
-		t.Fatal(err)
-	}
+	keepNodeSysctl(t, establishedSysctl)
 	t.Cleanup(func() {
-		_, _ = tb.Exec(tb.NodeNS, "sh", "-c", "echo "+strings.TrimSpace(before)+" > "+establishedSysctl)
 		_, _ = tb.Exec(tb.NodeNS, "nft", "delete", "table", "ip", "kpipetest-other")
 		_, _ = tb.Exec(tb.NodeNS, "nft", "delete", "table", "ip", "kube-proxy")
 	})

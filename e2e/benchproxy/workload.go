@@ -175,36 +175,21 @@ func parallel(n int, fn func(i int) error) error {
 // d (as far as the apiserver keeps up), and returns when the last was
 // written, which service that was, and how long the churn took.
 func (w *workload) churn(ctx context.Context, total int, d time.Duration) (last time.Time, lastSvc *benchService, took time.Duration, err error) {
-	var (
-		mu    sync.Mutex
-		first error
-		wg    sync.WaitGroup
-		jobs  = make(chan *benchService, total)
-	)
+	var mu sync.Mutex
 	start := time.Now()
-	for range apiWorkers {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			for s := range jobs {
-				err := w.replaceEndpoint(ctx, s)
-				now := time.Now()
-				mu.Lock()
-				if err != nil && first == nil {
-					first = err
-				}
-				if err == nil && now.After(last) {
-					last, lastSvc = now, s
-				}
-				mu.Unlock()
-			}
-		}()
-	}
-	for k := range total {
+	err = parallel(total, func(k int) error {
 		time.Sleep(time.Until(start.Add(d * time.Duration(k) / time.Duration(total))))
-		jobs <- w.svcs[rand.IntN(len(w.svcs))]
-	}
-	close(jobs)
-	wg.Wait()
-	return last, lastSvc, last.Sub(start), first
+		s := w.svcs[rand.IntN(len(w.svcs))]
+		if err := w.replaceEndpoint(ctx, s); err != nil {
+			return err
+		}
+		now := time.Now()
+		mu.Lock()
+		defer mu.Unlock()
+		if now.After(last) {
+			last, lastSvc = now, s
+		}
+		return nil
+	})
+	return last, lastSvc, last.Sub(start), err
 }

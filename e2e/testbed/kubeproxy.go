@@ -1,10 +1,8 @@
 package testbed
 
 import (
-	"bufio"
 	"errors"
 	"fmt"
-	"strconv"
 	"strings"
 	"time"
 )
@@ -103,17 +101,9 @@ func (kp *KubeProxy) Cleanup() (string, error) {
 // LogTail is the end of kube-proxy's log.
 func (kp *KubeProxy) LogTail(n int) string { return tailFile(kp.LogPath, n) }
 
-// Metrics reads kube-proxy's /metrics: each sample's value, keyed by its
-// name with labels as exposed ("name{label=\"v\"}").
+// Metrics reads kube-proxy's /metrics (see ScrapeMetrics).
 func (kp *KubeProxy) Metrics() (map[string]float64, error) {
-	code, body, err := kp.tb.HTTPGet(kp.tb.NodeNS, KubeProxyMetricsURL+"/metrics")
-	if err != nil {
-		return nil, err
-	}
-	if code != 200 {
-		return nil, fmt.Errorf("kube-proxy /metrics: HTTP %d", code)
-	}
-	return parseMetrics(string(body)), nil
+	return kp.tb.ScrapeMetrics(kp.tb.NodeNS, KubeProxyMetricsURL+"/metrics")
 }
 
 // Metric is every sample of one metric (any labels), keyed as in Metrics.
@@ -124,31 +114,11 @@ func (kp *KubeProxy) Metric(name string) (map[string]float64, error) {
 	}
 	out := map[string]float64{}
 	for k, v := range all {
-		if k == name || strings.HasPrefix(k, name+"{") {
+		if SampleOf(k, name, nil) {
 			out[k] = v
 		}
 	}
 	return out, nil
-}
-
-func parseMetrics(text string) map[string]float64 {
-	out := map[string]float64{}
-	sc := bufio.NewScanner(strings.NewReader(text))
-	sc.Buffer(make([]byte, 1<<20), 1<<20)
-	for sc.Scan() {
-		line := strings.TrimSpace(sc.Text())
-		if line == "" || strings.HasPrefix(line, "#") {
-			continue
-		}
-		i := strings.LastIndexByte(line, ' ')
-		if i < 0 {
-			continue
-		}
-		if v, err := strconv.ParseFloat(line[i+1:], 64); err == nil {
-			out[line[:i]] = v
-		}
-	}
-	return out
 }
 
 // SyncMetric is the time of kube-proxy's last successful sync (one sample per
