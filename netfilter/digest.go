@@ -6,6 +6,7 @@ import (
 	"encoding/binary"
 	"errors"
 	"fmt"
+	"hash/maphash"
 	"slices"
 	"strings"
 	"sync"
@@ -199,7 +200,7 @@ func (t Tool) openReader(ctx context.Context, table string) (n *nftReader, done 
 			return nil, nil, err
 		}
 	}
-	n = &nftReader{conn: conn, raw: raw, buf: make([]byte, recvSize), family: nfproto(t.Family), table: table}
+	n = &nftReader{conn: conn, raw: raw, buf: make([]byte, recvSize), family: nfproto(t.Family), table: table, seq: 1 << 30}
 	return n, func() { stop(); conn.Close() }, nil
 }
 
@@ -210,6 +211,7 @@ type nftReader struct {
 	buf    []byte
 	family uint8
 	table  string
+	seq    uint32 // of the requests the reader builds itself (dumpChains)
 }
 
 // digests reads once: errChanged when the ruleset changed meanwhile.
@@ -304,22 +306,11 @@ func (n *nftReader) query(req netlink.Message, want int, each func(attrs []byte)
 
 // receive reads the next batch of messages.
 func (n *nftReader) receive() ([]syscall.NetlinkMessage, error) {
-	var size, flags int
-	var recvErr error
-	err := n.raw.Read(func(fd uintptr) bool {
-		size, _, flags, _, recvErr = syscall.Recvmsg(int(fd), n.buf, nil, 0)
-		return recvErr != syscall.EAGAIN
-	})
-	if err == nil {
-		err = recvErr
-	}
+	b, err := n.receiveRaw()
 	if err != nil {
-		return nil, fmt.Errorf("nf_tables netlink receive: %w", err)
+		return nil, err
 	}
-	if flags&syscall.MSG_TRUNC != 0 {
-		return nil, fmt.Errorf("nf_tables netlink receive: a message longer than %d bytes", len(n.buf))
-	}
-	return syscall.ParseNetlinkMessage(n.buf[:size])
+	return syscall.ParseNetlinkMessage(b)
 }
 
 // replyErrno is the error an NLMSG_ERROR or NLMSG_DONE message carries (a negative
@@ -446,12 +437,11 @@ func (n *nftReader) hashRules(chains map[string]*digest, perChain bool) error {
 	if !perChain {
 		return dump("")
 	}
+	names := make([]string, 0, len(chains))
 	for chain := range chains {
-		if err := dump(chain); err != nil {
-			return err
-		}
+		names = append(names, chain)
 	}
-	return nil
+	return n.dumpChains(names, fold)
 }
 
 // dumpRules calls each with every rule of chain (of the whole table when chain
@@ -538,8 +528,13 @@ func decodeRule(attrs []byte) (rule, error) {
 // (counters change with traffic, not with the rule), then compat and userdata.
 // Every part goes in tagged and length-prefixed, so no two different rule lists
 // hash the same bytes.
-func (r rule) hashInto(d *digest) error {
-	d.writeByte('R')
+func (r rule) hashInto(d *digest) error { return r.hashAs(d, nil) }
+
+// hashAs is hashInto with each expression's data first rewritten by asDumped
+// (when not nil): to hash a rule as the kernel would list it.
+func (r rule) hashAs(d *digest, asDumped func(name, data []byte) []byte) error {
+	var h fieldHash
+	h.SetSeed(digestSeed)
 	err := forEachAttr(r.exprs, func(typ uint16, elem []byte) error {
 		if typ != nftaListElem {
 			return nil
@@ -557,46 +552,45 @@ func (r rule) hashInto(d *digest) error {
 		if err != nil || string(name) == "counter" {
 			return err
 		}
-		d.writeField('E', name)
-		d.writeField('D', data)
+		if asDumped != nil {
+			data = asDumped(name, data)
+		}
+		h.writeField('E', name)
+		h.writeField('D', data)
 		return nil
 	})
-	d.writeField('C', r.compat)
-	d.writeField('U', r.userdata)
+	h.writeField('C', r.compat)
+	h.writeField('U', r.userdata)
+	d.fold(h.Sum64())
 	return err
 }
 
-// digest is a running FNV-64a hash.
+// digest is a chain's hash: its rules' hashes folded in, in order.
 type digest uint64
 
-const (
-	fnvOffset digest = 14695981039346656037
-	fnvPrime  digest = 1099511628211
-)
+// digestSeed seeds every rule's hash: digests compare within one process.
+var digestSeed = maphash.MakeSeed()
 
 func newDigest() *digest {
-	d := fnvOffset
+	d := digest(14695981039346656037) // FNV-64's offset basis
 	return &d
 }
 
-func (d *digest) writeByte(c byte) {
-	*d ^= digest(c)
-	*d *= fnvPrime
+// fold adds the next rule's hash, the way FNV-64a adds a byte.
+func (d *digest) fold(h uint64) {
+	*d = (*d ^ digest(h)) * 1099511628211
 }
 
-func (d *digest) write(b []byte) {
-	for _, c := range b {
-		d.writeByte(c)
-	}
-}
+// fieldHash hashes a rule's parts.
+type fieldHash struct{ maphash.Hash }
 
 // writeField writes a tag, the length of b, then b.
-func (d *digest) writeField(tag byte, b []byte) {
+func (h *fieldHash) writeField(tag byte, b []byte) {
 	var head [5]byte
 	head[0] = tag
 	binary.BigEndian.PutUint32(head[1:], uint32(len(b)))
-	d.write(head[:])
-	d.write(b)
+	h.Write(head[:])
+	h.Write(b)
 }
 
 // savedDigests hashes the "-A" lines iptables prints (never with counters): of
@@ -636,8 +630,7 @@ func (t Tool) savedDigests(ctx context.Context, table string, names []string) (m
 func hashLines(lines []string) uint64 {
 	d := newDigest()
 	for _, l := range lines {
-		d.write([]byte(strings.TrimSpace(l)))
-		d.writeByte('\n')
+		d.fold(maphash.String(digestSeed, strings.TrimSpace(l)))
 	}
 	return uint64(*d)
 }

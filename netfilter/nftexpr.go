@@ -33,6 +33,7 @@ const (
 	nftaBitwiseLen  = 3 // NFTA_BITWISE_LEN
 	nftaBitwiseMask = 4 // NFTA_BITWISE_MASK
 	nftaBitwiseXor  = 5 // NFTA_BITWISE_XOR
+	nftaBitwiseOp   = 6 // NFTA_BITWISE_OP: the kernel lists it; iptables-nft 1.8.9 leaves it out
 
 	nftaCounterBytes   = 1 // NFTA_COUNTER_BYTES
 	nftaCounterPackets = 2 // NFTA_COUNTER_PACKETS

@@ -294,7 +294,11 @@ func (m *matchParser) start(name string) error {
 	if _, ok := matchOptions[name]; !ok {
 		return untranslatable("match %q", name)
 	}
-	m.name, m.opts = name, map[string]matchOpt{}
+	m.name = name
+	if m.opts == nil {
+		m.opts = make(map[string]matchOpt, 4)
+	}
+	clear(m.opts) // one map for all of a rule's matches
 	return nil
 }
 

@@ -115,21 +115,7 @@ func translatePayload(family bus.Family, payload []byte) ([]nftSection, error) {
 			}
 			table := cur.table
 			cur.add(nftMsgNewRule, syscall.NLM_F_CREATE|syscall.NLM_F_APPEND, proto, "add a rule to "+r.chain, func(n *nlBuf) {
-				n.str(nftaRuleTable, table)
-				n.str(nftaRuleChain, r.chain)
-				at := n.begin(nftaRuleExpressions)
-				for _, e := range r.exprs {
-					e(n)
-				}
-				n.end(at)
-				at = n.begin(nftaRuleCompat)
-				n.u32(nftaRuleCompatProto, uint32(r.proto))
-				var flags uint32
-				if r.invertProto {
-					flags = nftRuleCompatInv
-				}
-				n.u32(nftaRuleCompatFlags, flags)
-				n.end(at)
+				r.encode(n, table)
 			})
 		default:
 			return nil, untranslatable("line %d: %q", n+1, line)
@@ -141,10 +127,33 @@ func translatePayload(family bus.Family, payload []byte) ([]nftSection, error) {
 	return out, nil
 }
 
+// encode appends the rule's NEWRULE attributes.
+func (r nftRule) encode(n *nlBuf, table string) {
+	n.str(nftaRuleTable, table)
+	n.str(nftaRuleChain, r.chain)
+	at := n.begin(nftaRuleExpressions)
+	for _, e := range r.exprs {
+		e(n)
+	}
+	n.end(at)
+	at = n.begin(nftaRuleCompat)
+	n.u32(nftaRuleCompatProto, uint32(r.proto))
+	var flags uint32
+	if r.invertProto {
+		flags = nftRuleCompatInv
+	}
+	n.u32(nftaRuleCompatFlags, flags)
+	n.end(at)
+}
+
 // splitArgs splits a rule as iptables-restore does, for the quoting kpipe
 // uses: double quotes around a whole argument, no escapes.
 func splitArgs(s string) ([]string, error) {
-	var out []string
+	return appendArgs(make([]string, 0, 32), s)
+}
+
+// appendArgs is splitArgs appending to out, to reuse its array.
+func appendArgs(out []string, s string) ([]string, error) {
 	for {
 		s = strings.TrimLeft(s, " \t")
 		if s == "" {

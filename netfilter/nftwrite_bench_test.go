@@ -20,19 +20,13 @@ import (
 // kernel (the batch's sendmsg and answer).
 func BenchmarkNetlinkFullSync(b *testing.B) {
 	for _, n := range []int{1000, 10000} {
-		cfg := render.Config{Family: bus.IPv4, NodeName: "bench-node", MasqueradeBit: 14, DetectLocal: render.DetectClusterCIDR,
-			ClusterCIDRs: []netip.Prefix{netip.MustParsePrefix("10.244.0.0/16")}}
-		plan := render.Render(cfg, &bus.Snapshot{State: render.SyntheticState(n, 10), Full: true})
-		var payload bytes.Buffer
-		for _, tp := range plan.Tables {
-			payload.Write(nf.Assemble(tp.Table, tp.Chains, nil))
-		}
+		_, payload := syntheticPlan(n)
 		bed := writertest.New(b, bus.IPv4)
 		b.Run(fmt.Sprintf("services=%d", n), func(b *testing.B) {
 			var encode, kernel time.Duration
 			for b.Loop() {
 				start := time.Now()
-				write, err := nf.TranslateAndWrite(bus.IPv4, payload.Bytes())
+				write, err := nf.TranslateAndWrite(bus.IPv4, payload)
 				if err != nil {
 					b.Fatal(err)
 				}
@@ -45,4 +39,17 @@ func BenchmarkNetlinkFullSync(b *testing.B) {
 			b.ReportMetric(float64(kernel.Milliseconds())/float64(b.N), "kernel-ms/op")
 		})
 	}
+}
+
+// syntheticPlan is the full plan of n synthetic services × 10 endpoints, and
+// its payload.
+func syntheticPlan(n int) (*bus.Plan, []byte) {
+	cfg := render.Config{Family: bus.IPv4, NodeName: "bench-node", MasqueradeBit: 14, DetectLocal: render.DetectClusterCIDR,
+		ClusterCIDRs: []netip.Prefix{netip.MustParsePrefix("10.244.0.0/16")}}
+	plan := render.Render(cfg, &bus.Snapshot{State: render.SyntheticState(n, 10), Full: true})
+	var payload bytes.Buffer
+	for _, tp := range plan.Tables {
+		payload.Write(nf.Assemble(tp.Table, tp.Chains, nil))
+	}
+	return plan, payload.Bytes()
 }

@@ -20,12 +20,25 @@ import (
 type kernel struct {
 	node *testbed.FreshNode
 	nft  bool // kube-proxy's nftables mode (table ip kube-proxy); else iptables' nat table
+	// seps maps kube-proxy's KUBE-SEP- chains to the endpoint they DNAT to. Over
+	// 1,000 endpoints kube-proxy leaves the comments out of its service chains
+	// (its "large cluster mode"), so their jumps name endpoint chains only. A
+	// KUBE-SEP- chain's name is a hash of its endpoint: listed once, known.
+	seps map[string]string
+}
+
+func newKernel(node *testbed.FreshNode, nft bool) kernel {
+	return kernel{node: node, nft: nft, seps: map[string]string{}}
 }
 
 var (
 	// "-A KUBE-SVC-X ... --comment "ns/svc:http -> 10.244.1.2:8080" ...": the
 	// endpoint rules of a service chain, kpipe's and kube-proxy's alike.
 	iptablesEndpoint = regexp.MustCompile(`-> (\d+\.\d+\.\d+\.\d+):\d+`)
+	// "-A KUBE-SVC-X ... -j KUBE-SEP-Y" without a comment, and KUBE-SEP-Y's
+	// "-j DNAT --to-destination 10.244.1.2:8080".
+	sepJump = regexp.MustCompile(`-j (KUBE-SEP-[A-Z0-9]+)`)
+	dnatTo  = regexp.MustCompile(`--to-destination (\d+\.\d+\.\d+\.\d+):\d+`)
 	// "... vmap { 0 : goto endpoint-HASH-ns/svc/tcp/http__10.244.1.2/8080, ...}".
 	nftEndpoint = regexp.MustCompile(`__(\d+\.\d+\.\d+\.\d+)/\d+`)
 )
@@ -56,10 +69,22 @@ func (k kernel) endpoints(s *benchService) []string {
 	if err != nil {
 		return nil
 	}
-	return k.addresses(out)
+	return k.addresses(out, k.listSEP)
 }
 
-func (k kernel) addresses(text string) []string {
+// listSEP lists a KUBE-SEP- chain for the endpoint it DNATs to.
+func (k kernel) listSEP(chain string) string {
+	out, err := k.node.Exec("iptables", "-w", "-t", "nat", "-S", chain)
+	if err != nil {
+		return ""
+	}
+	return out
+}
+
+// addresses are the endpoints a service chain's text sends to, sorted;
+// sepText gives a KUBE-SEP- chain's text when the service chain names only
+// endpoint chains.
+func (k kernel) addresses(text string, sepText func(chain string) string) []string {
 	re := iptablesEndpoint
 	if k.nft {
 		re = nftEndpoint
@@ -67,6 +92,20 @@ func (k kernel) addresses(text string) []string {
 	var ips []string
 	for _, m := range re.FindAllStringSubmatch(text, -1) {
 		ips = append(ips, m[1])
+	}
+	if len(ips) == 0 && !k.nft {
+		for _, m := range sepJump.FindAllStringSubmatch(text, -1) {
+			ip, ok := k.seps[m[1]]
+			if !ok {
+				if d := dnatTo.FindStringSubmatch(sepText(m[1])); d != nil {
+					ip, ok = d[1], true
+					k.seps[m[1]] = ip
+				}
+			}
+			if ok {
+				ips = append(ips, ip)
+			}
+		}
 	}
 	slices.Sort(ips)
 	return ips
@@ -106,9 +145,10 @@ func (k kernel) mismatches(svcs []*benchService) (n int, example string, err err
 		return 0, "", err
 	}
 	chains := k.chainTexts(out)
+	sepText := func(chain string) string { return chains[chain] }
 	for _, s := range svcs {
 		want := s.want()
-		if got := k.addresses(chains[k.chain(s)]); !slices.Equal(got, want) {
+		if got := k.addresses(chains[k.chain(s)], sepText); !slices.Equal(got, want) {
 			if n == 0 {
 				example = fmt.Sprintf("%s: chain %s sends to %v, not %v", s.svc.Name, k.chain(s), got, want)
 			}

@@ -221,7 +221,7 @@ func benchOne(ctx context.Context, tb *testbed.Testbed, w *workload, proxy, bin 
 	if proxy == "kpipe" {
 		mode = "iptables"
 	}
-	k := kernel{node: node, nft: proxy == "nftables"}
+	k := newKernel(node, proxy == "nftables")
 
 	// First sync: from the start to the last service's chain complete.
 	start := time.Now()

@@ -9,8 +9,10 @@ import (
 	"log/slog"
 	"maps"
 	"net/netip"
+	"runtime"
 	"slices"
 	"strings"
+	"sync"
 	"time"
 
 	"github.com/kpipe/kpipe/bus"
@@ -26,6 +28,9 @@ type Kernel interface {
 	// Digests returns a digest of the rules of each chain of table (every chain
 	// when names is nil; of names, those that exist): equal digests, same rules.
 	Digests(ctx context.Context, table string, names []string) (map[string]uint64, error)
+	// ExpectedDigest is the digest Digests gives a chain holding rules (ok:
+	// known without writing them).
+	ExpectedDigest(ctx context.Context, table, rules string) (digest uint64, ok bool)
 	// ChainNames lists the chains of table.
 	ChainNames(ctx context.Context, table string) ([]string, error)
 	// EnsureJumps puts back any missing jump from a built-in chain; with first,
@@ -262,6 +267,12 @@ func (s *Stage) apply(ctx context.Context, plan *bus.Plan) error {
 	steps := w.steps(s.ledger)
 	if full {
 		s.ledger.reset()
+		for _, tw := range w.tables {
+			for _, c := range tw.same {
+				s.ledger.confirm(op{table: tw.table, chain: c.Name, hash: c.Hash, rules: c.Rules})
+				s.ledger.sawKernel(tw.table, c.Name, c.digest)
+			}
+		}
 	}
 	for i, step := range steps {
 		if err := s.restore(ctx, step); err != nil {
@@ -309,7 +320,7 @@ func (s *Stage) changes(ctx context.Context, tp bus.TablePayload, full, refresh 
 		if err != nil {
 			return tw, err
 		}
-		tw.write = tp.Chains
+		tw.write, tw.same = s.unchanged(ctx, tp.Table, tp.Chains, kernel)
 		for _, name := range kernel {
 			if nf.KindOf(name).Disposable() && !wanted[name] {
 				tw.stale = append(tw.stale, name)
@@ -337,6 +348,82 @@ func (s *Stage) changes(ctx context.Context, tp bus.TablePayload, full, refresh 
 		tw.write = mergeInOrder(tp.Chains, tw.write, drifted)
 	}
 	return tw, nil
+}
+
+// unchanged splits a full sync's chains into those to write and those the
+// kernel already holds exactly as planned: their digests, read from the
+// kernel, are the ones their rules give. So a restarted kpipe (or one taking
+// over from kube-proxy) rewrites only what is not right, chain by chain. When
+// the kernel cannot be read, everything is written.
+func (s *Stage) unchanged(ctx context.Context, table string, chains []bus.Chain, kernel []string) (write []bus.Chain, same []sameChain) {
+	inKernel := make(map[string]bool, len(kernel))
+	for _, name := range kernel {
+		inKernel[name] = true
+	}
+	var names []string
+	for _, c := range chains {
+		if inKernel[c.Name] {
+			names = append(names, c.Name)
+		}
+	}
+	if len(names) == 0 {
+		return chains, nil
+	}
+	// The kernel is read on this goroutine (a test's network namespace is
+	// this thread's) while other goroutines work out what it should hold.
+	expected := s.expectedDigests(ctx, table, chains, inKernel)
+	digests, err := s.kernel.Digests(ctx, table, names)
+	want := expected()
+	if err != nil {
+		s.log.Warn("reading the kernel's chains before a full sync; writing them all", "family", s.family, "table", table, "err", err)
+		return chains, nil
+	}
+	for i, c := range chains {
+		if got, ok := digests[c.Name]; ok && want[i].known && want[i].digest == got {
+			same = append(same, sameChain{c, got})
+			continue
+		}
+		write = append(write, c)
+	}
+	return write, same
+}
+
+type expectedDigest struct {
+	digest uint64
+	known  bool
+}
+
+// expectedDigests starts working out, on every core, the digest each chain in
+// the kernel should have; wait returns them, by the chains' index. Its first
+// answer comes from this goroutine: the kernel may need asking which backend
+// it is, from this thread's network namespace.
+func (s *Stage) expectedDigests(ctx context.Context, table string, chains []bus.Chain, inKernel map[string]bool) (wait func() []expectedDigest) {
+	out := make([]expectedDigest, len(chains))
+	var todo []int
+	for i, c := range chains {
+		if inKernel[c.Name] {
+			todo = append(todo, i)
+		}
+	}
+	if len(todo) == 0 {
+		return func() []expectedDigest { return out }
+	}
+	one := func(i int) {
+		d, ok := s.kernel.ExpectedDigest(ctx, table, chains[i].Rules)
+		out[i] = expectedDigest{d, ok}
+	}
+	one(todo[0])
+	todo = todo[1:]
+	workers := runtime.GOMAXPROCS(0)
+	var wg sync.WaitGroup
+	for w := range workers {
+		wg.Go(func() {
+			for j := w; j < len(todo); j += workers {
+				one(todo[j])
+			}
+		})
+	}
+	return func() []expectedDigest { wg.Wait(); return out }
 }
 
 // mergeInOrder returns the chains of all that are in a or b, in all's order.

@@ -37,6 +37,7 @@ func (nullKernel) Restore(context.Context, []byte) error { return nil }
 func (nullKernel) Digests(context.Context, string, []string) (map[string]uint64, error) {
 	return map[string]uint64{}, nil
 }
-func (nullKernel) ChainNames(context.Context, string) ([]string, error) { return nil, nil }
-func (nullKernel) EnsureJumps(context.Context, []nf.Jump, bool) error   { return nil }
-func (nullKernel) WriteSysctl(string, string) error                     { return nil }
+func (nullKernel) ExpectedDigest(context.Context, string, string) (uint64, bool) { return 0, false }
+func (nullKernel) ChainNames(context.Context, string) ([]string, error)          { return nil, nil }
+func (nullKernel) EnsureJumps(context.Context, []nf.Jump, bool) error            { return nil }
+func (nullKernel) WriteSysctl(string, string) error                              { return nil }

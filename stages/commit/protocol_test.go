@@ -537,7 +537,8 @@ func TestRunReportsSyncStatus(t *testing.T) {
 	last := r.LastSync
 
 	k.BeforeRestore = func(int, string) error { return errors.New("injected: restore failed") }
-	s.p.In.Put(planOf(st, 6, true))
+	// A full sync writes only what the kernel lacks: this one has a new service.
+	s.p.In.Put(planOf(render.SyntheticState(4, 1), 6, true))
 	take(t, s.p.Results, "result")
 	r = report()
 	if r.Generation != 5 || !r.LastSync.Equal(last) || !r.LastFullSync.Equal(full) || r.Errors != 1 || r.LastError == "" {

@@ -189,6 +189,7 @@ func TestStopDuringARepair(t *testing.T) {
 	}
 	k.Mu.Lock()
 	k.StallAfter = func(int) bool { return true } // the repair's restore hangs until the stage is stopped
+	delete(k.Tables, nf.TableNAT)                 // lost, as the repair says
 	k.Mu.Unlock()
 	repairs.Put(bus.Repair{Lost: true, Since: time.Now()})
 	waitFor(t, k, "the repair's restore", func() bool { return k.Restores > 1 })

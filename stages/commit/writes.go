@@ -16,6 +16,13 @@ type tableWrites struct {
 	write  []bus.Chain // in write order
 	delete []string    // per-service chains kpipe wrote and the plan dropped
 	stale  []string    // per-service chains in the kernel that a full plan does not have
+	same   []sameChain // a full plan's chains the kernel already holds as planned
+}
+
+// sameChain is a chain found in the kernel as planned, with its digest there.
+type sameChain struct {
+	bus.Chain
+	digest uint64
 }
 
 // writes is what one plan changes, per table.

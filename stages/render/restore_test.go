@@ -2,6 +2,7 @@ package render
 
 import (
 	"bytes"
+	"context"
 	"fmt"
 	"net/netip"
 	"os"
@@ -112,4 +113,23 @@ func TestNetlinkWriterEqualsRestoreAt10k(t *testing.T) {
 	b.Write(t, payloads...)
 	b.RequireSameSaved(t, "10,000 services")
 	t.Logf("%d rules, %d bytes of payload in %d runs: the same from both writers", rules, size, len(payloads))
+	// What a restarted kpipe compares: each chain's digest in the kernel is
+	// the one computed from its rules.
+	tool := nf.Tool{Family: bus.IPv4}
+	for _, tp := range plan.Tables {
+		names := make([]string, len(tp.Chains))
+		for i, c := range tp.Chains {
+			names[i] = c.Name
+		}
+		var kernel map[string]uint64
+		b.Netlink.Run(t, func() (err error) {
+			kernel, err = tool.Digests(context.Background(), tp.Table, names)
+			return err
+		})
+		for _, c := range tp.Chains {
+			if want, ok := tool.ExpectedDigest(context.Background(), tp.Table, c.Rules); !ok || kernel[c.Name] != want {
+				t.Fatalf("%s %s: the kernel's digest %x is not the expected %x (%v)", tp.Table, c.Name, kernel[c.Name], want, ok)
+			}
+		}
+	}
 }

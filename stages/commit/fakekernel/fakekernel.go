@@ -152,12 +152,27 @@ func (k *Kernel) Digests(ctx context.Context, table string, names []string) (map
 	out := map[string]uint64{}
 	for c, rules := range all {
 		if names == nil || slices.Contains(names, c) {
-			h := fnv.New64a()
-			h.Write([]byte(strings.Join(rules, "\n")))
-			out[c] = h.Sum64()
+			out[c] = digestOf(rules)
 		}
 	}
 	return out, nil
+}
+
+// ExpectedDigest is the digest of the "-A" lines of rules, as Digests computes it.
+func (k *Kernel) ExpectedDigest(_ context.Context, _, rules string) (uint64, bool) {
+	var lines []string
+	for line := range strings.Lines(rules) {
+		if line = strings.TrimSpace(line); line != "" {
+			lines = append(lines, line)
+		}
+	}
+	return digestOf(lines), true
+}
+
+func digestOf(rules []string) uint64 {
+	h := fnv.New64a()
+	h.Write([]byte(strings.Join(rules, "\n")))
+	return h.Sum64()
 }
 
 func (k *Kernel) ChainNames(ctx context.Context, table string) ([]string, error) {
