@@ -2,7 +2,6 @@ package netfilter
 
 import (
 	"context"
-	"errors"
 	"maps"
 	"slices"
 	"sync/atomic"
@@ -28,18 +27,29 @@ var NetlinkFallbacks atomic.Uint64
 // Restore applies payload without flushing the tables: only the chains the
 // payload declares are replaced, and each table section is one transaction.
 func (t Tool) Restore(ctx context.Context, payload []byte) error {
-	if t.Writer == WriterNetlink {
-		if nft, err := t.onNFTables(ctx); err == nil && nft {
-			err := t.RestoreNetlink(ctx, payload)
+	return t.Prepare(payload)(ctx)
+}
+
+// Prepare does the part of Restore that does not touch the kernel (the netlink
+// writer's translation) and returns the rest: a caller can prepare the next
+// payload while the kernel takes this one.
+func (t Tool) Prepare(payload []byte) (write func(ctx context.Context) error) {
+	if t.Writer != WriterNetlink {
+		return func(ctx context.Context) error { return t.restoreTool(ctx, payload) }
+	}
+	sections, translateErr := translatePayload(t.Family, payload)
+	return func(ctx context.Context) error {
+		if nft, err := t.onNFTables(ctx); err == nil && nft && translateErr == nil {
+			err := t.writeBatches(ctx, sections)
 			if err == nil || ctx.Err() != nil {
 				return err
 			}
-			if !errors.Is(err, ErrUntranslatable) {
-				NetlinkFallbacks.Add(1)
-			}
+			NetlinkFallbacks.Add(1)
 		}
+		// The legacy backend, or what the netlink writer does not translate
+		// (not counted: it never tried), or what the kernel refused from it.
+		return t.restoreTool(ctx, payload)
 	}
-	return t.restoreTool(ctx, payload)
 }
 
 // RestoreNetlink writes payload over nf_tables netlink only, as Restore's

@@ -208,6 +208,7 @@ type result struct {
 	churnLost  bool // notifications were lost: the counts are low
 	converge   time.Duration
 	usage      usage
+	restart    restarted // kpipe only
 }
 
 // benchOne runs proxy in a fresh node namespace through every phase.
@@ -221,7 +222,7 @@ func benchOne(ctx context.Context, tb *testbed.Testbed, w *workload, proxy, bin 
 	if proxy == "kpipe" {
 		mode = "iptables"
 	}
-	k := newKernel(node, proxy == "nftables")
+	k := newKernel(tb, node, proxy == "nftables")
 
 	// First sync: from the start to the last service's chain complete.
 	start := time.Now()
@@ -287,7 +288,59 @@ func benchOne(ctx context.Context, tb *testbed.Testbed, w *workload, proxy, bin 
 		return r, err
 	}
 	logf("%s min-sync %v: log %s", proxy, minSync, p.LogPath)
+	if proxy == "kpipe" {
+		if r.restart, err = restart(tb, w, k, p, bin, proxyArgs(tb, mode, minSync), seq); err != nil {
+			return r, fmt.Errorf("restart: %w", err)
+		}
+	}
 	return r, nil
+}
+
+// restarted is kpipe's restart over its own rules: how long the first
+// endpoint change, made as the new process starts, took to reach the kernel,
+// and what the kernel was written meanwhile (nothing but that change, when the
+// restarted kpipe compares instead of rewriting).
+type restarted struct {
+	change time.Duration
+	txns   int
+	bytes  int
+	lost   bool
+}
+
+// restart stops p, starts kpipe again in the same namespace, and changes one
+// service's endpoints at once.
+func restart(tb *testbed.Testbed, w *workload, k kernel, p *testbed.Process, bin string, args []string, seq int) (restarted, error) {
+	var r restarted
+	if err := p.Stop(15 * time.Second); err != nil {
+		return r, err
+	}
+	writes, err := countWrites(tb, k.node.NS)
+	if err != nil {
+		return r, err
+	}
+	again, err := k.node.Start(fmt.Sprintf("bench-%d-kpipe-restarted", seq), append([]string{bin}, args...)...)
+	if err != nil {
+		writes.stop()
+		return r, err
+	}
+	defer func() { _ = again.Stop(15 * time.Second) }()
+	alive := func() error {
+		if again.Exited() {
+			return fmt.Errorf("restarted kpipe exited: %v\n--- log (%s):\n%s", again.ExitErr(), again.LogPath, again.Tail(20))
+		}
+		return nil
+	}
+	s := w.svcs[rand.IntN(len(w.svcs))]
+	t := time.Now()
+	if err := w.replaceEndpoint(context.Background(), s); err != nil {
+		writes.stop()
+		return r, err
+	}
+	seen, err := k.waitFor(s, 5*time.Minute, alive)
+	r.change = seen.Sub(t)
+	time.Sleep(time.Second) // the rest of the restarted full sync, if any
+	r.txns, r.bytes, r.lost = writes.stop()
+	return r, err
 }
 
 // latencies makes changeCount endpoint changes, each at a random service,
@@ -340,6 +393,14 @@ func printRow(proxy string, minSync time.Duration, r result) {
 		ms(percentile(r.backToBack, 50))+"/"+ms(percentile(r.backToBack, 99)),
 		ms(r.churnTook), r.churnTxns, r.churnBytes, ms(r.converge),
 		float64(r.usage.peakRSSKiB)/1024, r.usage.cpu.Seconds(), lost)
+	if proxy == "kpipe" {
+		lost = ""
+		if r.restart.lost {
+			lost = " (notifications lost: txns and bytes low)"
+		}
+		fmt.Printf("%-9s %-8v restarted over its rules: first change %s ms; written meanwhile %d txns, %d bytes%s\n",
+			"", "", ms(r.restart.change), r.restart.txns, r.restart.bytes, lost)
+	}
 }
 
 // printRatios prints kpipe's figures over kube-proxy's at the largest N, per

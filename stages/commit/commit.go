@@ -23,8 +23,10 @@ import (
 // Kernel is what commit needs from netfilter; netfilter.Tool provides it, and a
 // test fake can fail or stall on demand.
 type Kernel interface {
-	// Restore applies an iptables-restore --noflush payload.
-	Restore(ctx context.Context, payload []byte) error
+	// Prepare readies an iptables-restore --noflush payload without touching
+	// the kernel; write applies it. Commit prepares the next step of a large
+	// write while the kernel takes the one before.
+	Prepare(payload []byte) (write func(ctx context.Context) error)
 	// Digests returns a digest of the rules of each chain of table (every chain
 	// when names is nil; of names, those that exist): equal digests, same rules.
 	Digests(ctx context.Context, table string, names []string) (map[string]uint64, error)
@@ -274,8 +276,10 @@ func (s *Stage) apply(ctx context.Context, plan *bus.Plan) error {
 			}
 		}
 	}
+	next, stop := s.prepareAhead(steps)
+	defer stop()
 	for i, step := range steps {
-		if err := s.restore(ctx, step); err != nil {
+		if err := s.restore(ctx, step, next()); err != nil {
 			return fmt.Errorf("commit generation %d (restore %d): %w", plan.Generation, i+1, err)
 		}
 	}
@@ -491,13 +495,38 @@ func (s *Stage) learn(ctx context.Context, w writes) {
 	}
 }
 
-// restore runs one step. The ledger holds its chains in doubt until the kernel
-// confirms the write: a commit killed half-way leaves them to be rewritten.
-func (s *Stage) restore(ctx context.Context, st step) error {
+// prepareAhead prepares the steps in order, one ahead of the writes, on
+// another goroutine: a step's payload and its translation are CPU work that
+// overlaps the kernel's taking the step before. next returns the next step's
+// write; stop ends the preparing early. A single step is prepared by next.
+func (s *Stage) prepareAhead(steps []step) (next func() func(context.Context) error, stop func()) {
+	if len(steps) <= 1 {
+		i := 0
+		return func() func(context.Context) error { i++; return s.kernel.Prepare(steps[i-1].payload()) }, func() {}
+	}
+	ready := make(chan func(context.Context) error, 1)
+	quit := make(chan struct{})
+	var wg sync.WaitGroup
+	wg.Go(func() {
+		for _, st := range steps {
+			select {
+			case ready <- s.kernel.Prepare(st.payload()):
+			case <-quit:
+				return
+			}
+		}
+	})
+	return func() func(context.Context) error { return <-ready }, func() { close(quit); wg.Wait() }
+}
+
+// restore runs one step with its prepared write. The ledger holds its chains
+// in doubt until the kernel confirms the write: a commit killed half-way
+// leaves them to be rewritten.
+func (s *Stage) restore(ctx context.Context, st step, write func(context.Context) error) error {
 	for _, op := range st.ops() {
 		s.ledger.doubt(op)
 	}
-	if err := s.kernel.Restore(ctx, st.payload()); err != nil {
+	if err := write(ctx); err != nil {
 		return err
 	}
 	for _, op := range st.ops() {

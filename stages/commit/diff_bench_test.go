@@ -33,7 +33,9 @@ func BenchmarkWorkOutChanges(b *testing.B) {
 // nullKernel takes every write and holds nothing.
 type nullKernel struct{}
 
-func (nullKernel) Restore(context.Context, []byte) error { return nil }
+func (nullKernel) Prepare([]byte) func(context.Context) error {
+	return func(context.Context) error { return nil }
+}
 func (nullKernel) Digests(context.Context, string, []string) (map[string]uint64, error) {
 	return map[string]uint64{}, nil
 }

@@ -57,9 +57,9 @@ type recordingTool struct {
 	payloads []string
 }
 
-func (r *recordingTool) Restore(ctx context.Context, payload []byte) error {
+func (r *recordingTool) Prepare(payload []byte) func(context.Context) error {
 	r.payloads = append(r.payloads, string(payload))
-	return r.Tool.Restore(ctx, payload)
+	return r.Tool.Prepare(payload)
 }
 
 // TestRestartedCommitComparesWithTheKernel: the same in the real kernel, in a

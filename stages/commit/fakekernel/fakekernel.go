@@ -50,6 +50,11 @@ func New() *Kernel {
 var builtinTargets = map[string]bool{"ACCEPT": true, "DROP": true, "REJECT": true, "RETURN": true, "DNAT": true,
 	"SNAT": true, "MASQUERADE": true, "MARK": true}
 
+// Prepare returns Restore of payload.
+func (k *Kernel) Prepare(payload []byte) func(context.Context) error {
+	return func(ctx context.Context) error { return k.Restore(ctx, payload) }
+}
+
 func (k *Kernel) Restore(ctx context.Context, payload []byte) error {
 	k.Mu.Lock()
 	k.Restores++
