@@ -11,14 +11,17 @@
 //
 // BENCH_N is one size or several ("1000,10000"); BENCH_PROXIES a subset of
 // "kpipe,iptables,nftables"; BENCH_MIN_SYNC the min-sync-periods ("1s,0s");
-// BENCH_KEEP=1 keeps the run dir (the proxies' logs).
+// BENCH_KEEP=1 keeps the run dir (the proxies' logs); BENCH_PROFILE=dir saves
+// a CPU profile of kpipe over each churn there (go tool pprof -tagfocus stage=…).
 package main
 
 import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	"math/rand/v2"
+	"net/http"
 	"os"
 	"os/signal"
 	"slices"
@@ -31,7 +34,12 @@ import (
 )
 
 const (
-	changeCount  = 50   // endpoint changes per latency series
+	changeCount = 50 // endpoint changes per latency series
+	// seriesBudget bounds a series of a slow proxy (nftables mode takes ~10 s
+	// a change at 10,000 services): it stops after this long, with at least
+	// minChanges changes, and the row says how many it made.
+	seriesBudget = 60 * time.Second
+	minChanges   = 5
 	churnUpdates = 2000 // endpoint changes in the churn
 	churnSpread  = 10 * time.Second
 	syncPeriod   = "30s" // kube-proxy's default, given to all
@@ -226,7 +234,12 @@ func benchOne(ctx context.Context, tb *testbed.Testbed, w *workload, proxy, bin 
 
 	// First sync: from the start to the last service's chain complete.
 	start := time.Now()
-	p, err := node.Start(fmt.Sprintf("bench-%d-%s", seq, proxy), append([]string{bin}, proxyArgs(tb, mode, minSync)...)...)
+	args := proxyArgs(tb, mode, minSync)
+	profileDir := os.Getenv("BENCH_PROFILE")
+	if proxy == "kpipe" && profileDir != "" {
+		args = append(args, "--enable-debug-handlers")
+	}
+	p, err := node.Start(fmt.Sprintf("bench-%d-%s", seq, proxy), append([]string{bin}, args...)...)
 	if err != nil {
 		return r, err
 	}
@@ -266,6 +279,10 @@ func benchOne(ctx context.Context, tb *testbed.Testbed, w *workload, proxy, bin 
 		return r, err
 	}
 	defer writes.stop()
+	var profiled <-chan error
+	if proxy == "kpipe" && profileDir != "" {
+		profiled = profileChurn(tb, node.NS, fmt.Sprintf("%s/kpipe-%d-minsync-%v-churn.pprof", profileDir, len(w.svcs), minSync))
+	}
 	last, lastSvc, took, err := w.churn(ctx, churnUpdates, churnSpread)
 	if err != nil {
 		return r, fmt.Errorf("churn: %w", err)
@@ -284,12 +301,17 @@ func benchOne(ctx context.Context, tb *testbed.Testbed, w *workload, proxy, bin 
 	}
 	r.converge = seen.Sub(last)
 	r.churnTxns, r.churnBytes, r.churnLost = writes.stop()
+	if profiled != nil {
+		if err := <-profiled; err != nil {
+			logf("churn profile: %v", err)
+		}
+	}
 	if r.usage, err = readUsage(pid); err != nil {
 		return r, err
 	}
 	logf("%s min-sync %v: log %s", proxy, minSync, p.LogPath)
 	if proxy == "kpipe" {
-		if r.restart, err = restart(tb, w, k, p, bin, proxyArgs(tb, mode, minSync), seq); err != nil {
+		if r.restart, err = restart(tb, w, k, p, bin, args, seq); err != nil {
 			return r, fmt.Errorf("restart: %w", err)
 		}
 	}
@@ -343,18 +365,30 @@ func restart(tb *testbed.Testbed, w *workload, k kernel, p *testbed.Process, bin
 	return r, err
 }
 
-// latencies makes changeCount endpoint changes, each at a random service,
+// latencies makes changeCount endpoint changes (fewer past seriesBudget), each at a random service,
 // the next gap after the previous one showed in the kernel, and returns how
 // long each took from the API write to the kernel, sorted.
 func latencies(ctx context.Context, w *workload, k kernel, alive func() error, gap time.Duration) ([]time.Duration, error) {
 	out := make([]time.Duration, 0, changeCount)
+	var api []time.Duration // the API writes alone: the floor of every figure
+	defer func() {
+		slices.Sort(api)
+		if len(api) > 0 {
+			logf("%d API writes (gap %v) took p50/p99 %s/%s ms", len(api), gap, ms(percentile(api, 50)), ms(percentile(api, 99)))
+		}
+	}()
+	began := time.Now()
 	for range changeCount {
+		if len(out) >= minChanges && time.Since(began) > seriesBudget {
+			break
+		}
 		time.Sleep(gap)
 		s := w.svcs[rand.IntN(len(w.svcs))]
 		t := time.Now()
 		if err := w.replaceEndpoint(ctx, s); err != nil {
 			return nil, err
 		}
+		api = append(api, time.Since(t))
 		seen, err := k.waitFor(s, 2*time.Minute, alive)
 		if err != nil {
 			return nil, err
@@ -375,6 +409,15 @@ func ms(d time.Duration) string {
 	return strconv.FormatInt(d.Round(time.Millisecond).Milliseconds(), 10)
 }
 
+// series is a latency series' p50/p99, with its size when the budget cut it short.
+func series(sorted []time.Duration) string {
+	out := ms(percentile(sorted, 50)) + "/" + ms(percentile(sorted, 99))
+	if len(sorted) < changeCount {
+		out += fmt.Sprintf("(n=%d)", len(sorted))
+	}
+	return out
+}
+
 func printHeader(n int) {
 	fmt.Printf("\nN=%d services x %d endpoints (every %dth NodePort); times in ms; churn: %d updates paced over %v\n",
 		n, endpointsPerSvc, nodePortEvery, churnUpdates, churnSpread)
@@ -389,8 +432,7 @@ func printRow(proxy string, minSync time.Duration, r result) {
 	}
 	fmt.Printf("%-9s %-8v %10s %15s %15s %9s %6d %11d %9s %8.1f %7.1f%s\n",
 		proxy, minSync, ms(r.firstSync),
-		ms(percentile(r.isolated, 50))+"/"+ms(percentile(r.isolated, 99)),
-		ms(percentile(r.backToBack, 50))+"/"+ms(percentile(r.backToBack, 99)),
+		series(r.isolated), series(r.backToBack),
 		ms(r.churnTook), r.churnTxns, r.churnBytes, ms(r.converge),
 		float64(r.usage.peakRSSKiB)/1024, r.usage.cpu.Seconds(), lost)
 	if proxy == "kpipe" {
@@ -434,4 +476,33 @@ func printRatios(cfg config, results map[runKey]result) {
 				ratio(float64(kp.usage.peakRSSKiB), float64(up.usage.peakRSSKiB)), dur(kp.usage.cpu, up.usage.cpu))
 		}
 	}
+}
+
+// profileChurn takes a CPU profile of kpipe over the churn (its debug
+// listener, 127.0.0.1:10247 in the node's namespace) into path; stages are
+// pprof labels: go tool pprof -tagfocus stage=commit ...
+func profileChurn(tb *testbed.Testbed, ns, path string) <-chan error {
+	done := make(chan error, 1)
+	go func() {
+		seconds := int(churnSpread/time.Second) + 3
+		url := fmt.Sprintf("http://127.0.0.1:10247/debug/pprof/profile?seconds=%d", seconds)
+		resp, err := tb.HTTPClient(ns, time.Duration(seconds+30)*time.Second).Get(url)
+		if err != nil {
+			done <- err
+			return
+		}
+		defer resp.Body.Close()
+		body, err := io.ReadAll(resp.Body)
+		if err == nil && resp.StatusCode != http.StatusOK {
+			err = fmt.Errorf("%s: %s", url, resp.Status)
+		}
+		if err == nil {
+			err = os.WriteFile(path, body, 0o644)
+		}
+		if err == nil {
+			logf("churn profile in %s", path)
+		}
+		done <- err
+	}()
+	return done
 }
