@@ -4,6 +4,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"os"
 	"slices"
 	"strings"
 	"sync"
@@ -38,9 +39,13 @@ type Kpipe struct {
 	starts int
 }
 
+// WriterEnv picks the rule writer every test runs kpipe with
+// (--iptables-writer): netlink, kpipe's default, when unset.
+const WriterEnv = "KPIPE_E2E_WRITER"
+
 // DefaultKpipeArgs are the flags the test bed runs kpipe with.
 func (tb *Testbed) DefaultKpipeArgs() []string {
-	return []string{
+	args := []string{
 		"--kubeconfig", tb.Kubeconfig,
 		"--hostname-override", NodeName,
 		"--cluster-cidr", ClusterCIDR,
@@ -53,6 +58,10 @@ func (tb *Testbed) DefaultKpipeArgs() []string {
 		"--log-format", "json",
 		"--log-level", "debug",
 	}
+	if w := os.Getenv(WriterEnv); w != "" {
+		args = append(args, "--iptables-writer", w)
+	}
+	return args
 }
 
 // BuildKpipe builds ./cmd/kpipe into the run dir and returns a Kpipe ready to
