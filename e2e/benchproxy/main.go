@@ -11,7 +11,8 @@
 //
 // BENCH_N is one size or several ("1000,10000"); BENCH_PROXIES a subset of
 // "kpipe,iptables,nftables"; BENCH_MIN_SYNC the min-sync-periods ("1s,0s");
-// BENCH_KEEP=1 keeps the run dir (the proxies' logs).
+// BENCH_KEEP=1 keeps the run dir (the proxies' logs); BENCH_PROFILE=dir saves
+// kpipe's heap profiles after the first sync and after the churn there.
 package main
 
 import (
@@ -225,7 +226,9 @@ func benchOne(ctx context.Context, tb *testbed.Testbed, w *workload, proxy, bin 
 
 	// First sync: from the start to the last service's chain complete.
 	start := time.Now()
-	p, err := node.Start(fmt.Sprintf("bench-%d-%s", seq, proxy), append([]string{bin}, proxyArgs(tb, mode, minSync)...)...)
+	name := fmt.Sprintf("bench-%d-%s", seq, proxy)
+	args := append(append([]string{bin}, proxyArgs(tb, mode, minSync)...), profileArgs(proxy)...)
+	p, err := node.Start(name, args...)
 	if err != nil {
 		return r, err
 	}
@@ -245,6 +248,8 @@ func benchOne(ctx context.Context, tb *testbed.Testbed, w *workload, proxy, bin 
 		return r, fmt.Errorf("first sync: %w", err)
 	}
 	r.firstSync = seen.Sub(start)
+	prof := profiler{tb: tb, ns: node.NS, name: name, proxy: proxy, pid: pid}
+	prof.at("first-sync")
 	if _, err := k.waitAll(w.svcs, time.Minute, alive); err != nil {
 		return r, fmt.Errorf("after the first sync: %w", err)
 	}
@@ -283,6 +288,7 @@ func benchOne(ctx context.Context, tb *testbed.Testbed, w *workload, proxy, bin 
 	}
 	r.converge = seen.Sub(last)
 	r.churnTxns, r.churnBytes, r.churnLost = writes.stop()
+	prof.at("churn")
 	if r.usage, err = readUsage(pid); err != nil {
 		return r, err
 	}
