@@ -19,6 +19,10 @@ const (
 	maxAffinitySeconds     = 86400
 )
 
+// toBeDeletedTaint is the cluster autoscaler's taint on a node it is about to
+// delete: /healthz then answers 503, as kube-proxy's does.
+const toBeDeletedTaint = "ToBeDeletedByClusterAutoscaler"
+
 // parseIP reads one address as the rules will write it: IPv4-mapped IPv6
 // addresses become IPv4, and an IPv6 zone ("fe80::1%eth0"), which no rule can
 // hold, makes it invalid.
@@ -278,7 +282,7 @@ func describePort(p discoveryv1.EndpointPort) string {
 func (c Converter) Node(n *corev1.Node) *bus.Node {
 	out := &bus.Node{Name: n.Name, Zone: n.Labels[corev1.LabelTopologyZone], Deleting: n.DeletionTimestamp != nil}
 	for _, t := range n.Spec.Taints {
-		if t.Key == "ToBeDeletedByClusterAutoscaler" {
+		if t.Key == toBeDeletedTaint {
 			out.Deleting = true
 		}
 	}

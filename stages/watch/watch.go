@@ -278,7 +278,9 @@ func informer[L runtime.Object](obj runtime.Object, tweak func(*metav1.ListOptio
 			return w, err
 		},
 	}
-	return cache.NewSharedIndexInformer(lw, obj, 0, cache.Indexers{})
+	inf := cache.NewSharedIndexInformer(lw, obj, 0, cache.Indexers{})
+	_ = inf.SetTransform(slim) // fails only once the informer has started
+	return inf
 }
 
 // lostServer notices when the informers cannot reach the apiserver and then
