@@ -12,7 +12,8 @@
 // BENCH_N is one size or several ("1000,10000"); BENCH_PROXIES a subset of
 // "kpipe,iptables,nftables"; BENCH_MIN_SYNC the min-sync-periods ("1s,0s");
 // BENCH_KEEP=1 keeps the run dir (the proxies' logs); BENCH_PROFILE=dir saves
-// kpipe's heap profiles after the first sync and after the churn there.
+// kpipe's heap profiles after the first sync and after the churn there;
+// BENCH_KPIPE_ENV adds to kpipe's environment ("GOGC=50 GOMEMLIMIT=180MiB").
 package main
 
 import (
@@ -193,6 +194,15 @@ func proxyArgs(tb *testbed.Testbed, mode string, minSync time.Duration) []string
 	}
 }
 
+// command starts proxy's binary: BENCH_KPIPE_ENV ("GOMEMLIMIT=180MiB") sets
+// kpipe's environment, through env(1), which execs in place.
+func command(proxy, bin string) []string {
+	if vars := strings.Fields(os.Getenv("BENCH_KPIPE_ENV")); proxy == "kpipe" && len(vars) > 0 {
+		return append(append([]string{"env"}, vars...), bin)
+	}
+	return []string{bin}
+}
+
 type runKey struct {
 	n       int
 	proxy   string
@@ -227,7 +237,7 @@ func benchOne(ctx context.Context, tb *testbed.Testbed, w *workload, proxy, bin 
 	// First sync: from the start to the last service's chain complete.
 	start := time.Now()
 	name := fmt.Sprintf("bench-%d-%s", seq, proxy)
-	args := append(append([]string{bin}, proxyArgs(tb, mode, minSync)...), profileArgs(proxy)...)
+	args := append(append(command(proxy, bin), proxyArgs(tb, mode, minSync)...), profileArgs(proxy)...)
 	p, err := node.Start(name, args...)
 	if err != nil {
 		return r, err
