@@ -251,12 +251,13 @@ func (c Converter) Slice(s *discoveryv1.EndpointSlice) (*bus.EndpointSlice, []sk
 		if e.Zone != nil {
 			ep.Zone = *e.Zone
 		}
-		if e.Hints != nil {
+		if e.Hints != nil && len(e.Hints.ForZones)+len(e.Hints.ForNodes) > 0 {
+			ep.Hints = &bus.Hints{}
 			for _, z := range e.Hints.ForZones {
-				ep.HintZones = append(ep.HintZones, z.Name)
+				ep.Hints.Zones = append(ep.Hints.Zones, z.Name)
 			}
 			for _, n := range e.Hints.ForNodes {
-				ep.HintNodes = append(ep.HintNodes, n.Name)
+				ep.Hints.Nodes = append(ep.Hints.Nodes, n.Name)
 			}
 		}
 		out.Items = append(out.Items, ep)
