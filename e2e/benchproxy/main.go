@@ -12,7 +12,9 @@
 // BENCH_N is one size or several ("1000,10000"); BENCH_PROXIES a subset of
 // "kpipe,iptables,nftables"; BENCH_MIN_SYNC the min-sync-periods ("1s,0s");
 // BENCH_KEEP=1 keeps the run dir (the proxies' logs); BENCH_PROFILE=dir saves
-// a CPU profile of kpipe over each churn there (go tool pprof -tagfocus stage=…).
+// kpipe's heap profiles after the first sync and after the churn there, and a
+// CPU profile over each churn (go tool pprof -tagfocus stage=…);
+// BENCH_KPIPE_ENV adds to kpipe's environment ("GOGC=50 GOMEMLIMIT=180MiB").
 package main
 
 import (
@@ -200,6 +202,15 @@ func proxyArgs(tb *testbed.Testbed, mode string, minSync time.Duration) []string
 	}
 }
 
+// command starts proxy's binary: BENCH_KPIPE_ENV ("GOMEMLIMIT=180MiB") sets
+// kpipe's environment, through env(1), which execs in place.
+func command(proxy, bin string) []string {
+	if vars := strings.Fields(os.Getenv("BENCH_KPIPE_ENV")); proxy == "kpipe" && len(vars) > 0 {
+		return append(append([]string{"env"}, vars...), bin)
+	}
+	return []string{bin}
+}
+
 type runKey struct {
 	n       int
 	proxy   string
@@ -234,12 +245,9 @@ func benchOne(ctx context.Context, tb *testbed.Testbed, w *workload, proxy, bin 
 
 	// First sync: from the start to the last service's chain complete.
 	start := time.Now()
-	args := proxyArgs(tb, mode, minSync)
-	profileDir := os.Getenv("BENCH_PROFILE")
-	if proxy == "kpipe" && profileDir != "" {
-		args = append(args, "--enable-debug-handlers")
-	}
-	p, err := node.Start(fmt.Sprintf("bench-%d-%s", seq, proxy), append([]string{bin}, args...)...)
+	name := fmt.Sprintf("bench-%d-%s", seq, proxy)
+	args := append(append(command(proxy, bin), proxyArgs(tb, mode, minSync)...), profileArgs(proxy)...)
+	p, err := node.Start(name, args...)
 	if err != nil {
 		return r, err
 	}
@@ -259,6 +267,8 @@ func benchOne(ctx context.Context, tb *testbed.Testbed, w *workload, proxy, bin 
 		return r, fmt.Errorf("first sync: %w", err)
 	}
 	r.firstSync = seen.Sub(start)
+	prof := profiler{tb: tb, ns: node.NS, name: name, proxy: proxy, pid: pid}
+	prof.at("first-sync")
 	if _, err := k.waitAll(w.svcs, time.Minute, alive); err != nil {
 		return r, fmt.Errorf("after the first sync: %w", err)
 	}
@@ -280,8 +290,8 @@ func benchOne(ctx context.Context, tb *testbed.Testbed, w *workload, proxy, bin 
 	}
 	defer writes.stop()
 	var profiled <-chan error
-	if proxy == "kpipe" && profileDir != "" {
-		profiled = profileChurn(tb, node.NS, fmt.Sprintf("%s/kpipe-%d-minsync-%v-churn.pprof", profileDir, len(w.svcs), minSync))
+	if len(profileArgs(proxy)) > 0 {
+		profiled = profileChurn(tb, node.NS, fmt.Sprintf("%s/%s-churn.cpu", profileDir(), name))
 	}
 	last, lastSvc, took, err := w.churn(ctx, churnUpdates, churnSpread)
 	if err != nil {
@@ -306,12 +316,13 @@ func benchOne(ctx context.Context, tb *testbed.Testbed, w *workload, proxy, bin 
 			logf("churn profile: %v", err)
 		}
 	}
+	prof.at("churn")
 	if r.usage, err = readUsage(pid); err != nil {
 		return r, err
 	}
 	logf("%s min-sync %v: log %s", proxy, minSync, p.LogPath)
 	if proxy == "kpipe" {
-		if r.restart, err = restart(tb, w, k, p, bin, args, seq); err != nil {
+		if r.restart, err = restart(tb, w, k, p, args, seq); err != nil {
 			return r, fmt.Errorf("restart: %w", err)
 		}
 	}
@@ -331,7 +342,7 @@ type restarted struct {
 
 // restart stops p, starts kpipe again in the same namespace, and changes one
 // service's endpoints at once.
-func restart(tb *testbed.Testbed, w *workload, k kernel, p *testbed.Process, bin string, args []string, seq int) (restarted, error) {
+func restart(tb *testbed.Testbed, w *workload, k kernel, p *testbed.Process, argv []string, seq int) (restarted, error) {
 	var r restarted
 	if err := p.Stop(15 * time.Second); err != nil {
 		return r, err
@@ -340,7 +351,7 @@ func restart(tb *testbed.Testbed, w *workload, k kernel, p *testbed.Process, bin
 	if err != nil {
 		return r, err
 	}
-	again, err := k.node.Start(fmt.Sprintf("bench-%d-kpipe-restarted", seq), append([]string{bin}, args...)...)
+	again, err := k.node.Start(fmt.Sprintf("bench-%d-kpipe-restarted", seq), argv...)
 	if err != nil {
 		writes.stop()
 		return r, err
@@ -478,14 +489,14 @@ func printRatios(cfg config, results map[runKey]result) {
 	}
 }
 
-// profileChurn takes a CPU profile of kpipe over the churn (its debug
-// listener, 127.0.0.1:10247 in the node's namespace) into path; stages are
-// pprof labels: go tool pprof -tagfocus stage=commit ...
+// profileChurn takes a CPU profile of kpipe over the churn (pprof on its
+// metrics address with --profiling, in the node's namespace) into path;
+// stages are pprof labels: go tool pprof -tagfocus stage=commit-ipv4 ...
 func profileChurn(tb *testbed.Testbed, ns, path string) <-chan error {
 	done := make(chan error, 1)
 	go func() {
 		seconds := int(churnSpread/time.Second) + 3
-		url := fmt.Sprintf("http://127.0.0.1:10247/debug/pprof/profile?seconds=%d", seconds)
+		url := fmt.Sprintf("http://127.0.0.1:10249/debug/pprof/profile?seconds=%d", seconds)
 		resp, err := tb.HTTPClient(ns, time.Duration(seconds+30)*time.Second).Get(url)
 		if err != nil {
 			done <- err

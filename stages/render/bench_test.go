@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"maps"
 	"net/netip"
+	"runtime"
 	"testing"
 
 	"github.com/kpipe/kpipe/bus"
@@ -57,4 +58,36 @@ func BenchmarkRenderOneEndpointChanged(b *testing.B) {
 		p = rr.Render(&bus.Snapshot{State: states[i%2]})
 	}
 	b.ReportMetric(float64(len(p.Tables[0].Chains)), "nat-chains")
+}
+
+// BenchmarkRenderCacheMemory reports the live heap a Renderer's cache holds
+// after rendering 10k services with 10 endpoints each (plans dropped), and how
+// much of it is the rules' text.
+func BenchmarkRenderCacheMemory(b *testing.B) {
+	st := SyntheticState(10000, 10)
+	var cached, text float64
+	for b.Loop() {
+		before := liveHeap()
+		rr := NewRenderer(baseConfig())
+		p := rr.Render(full(st))
+		text = 0
+		for _, tp := range p.Tables {
+			for _, c := range tp.Chains {
+				text += float64(len(c.Rules))
+			}
+		}
+		p = nil
+		cached = float64(liveHeap() - before)
+		runtime.KeepAlive(rr)
+	}
+	b.ReportMetric(cached/(1<<20), "cache-MiB")
+	b.ReportMetric(text/(1<<20), "plan-text-MiB")
+}
+
+// liveHeap is the heap in use after a full collection.
+func liveHeap() uint64 {
+	runtime.GC()
+	var m runtime.MemStats
+	runtime.ReadMemStats(&m)
+	return m.HeapAlloc
 }

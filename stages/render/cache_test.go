@@ -2,6 +2,7 @@ package render
 
 import (
 	"fmt"
+	"hash/fnv"
 	"maps"
 	"math/rand/v2"
 	"net/netip"
@@ -100,5 +101,16 @@ func TestNodeUpdateKeepsTheCache(t *testing.T) {
 	rr.Render(full(st))
 	if rr.cache[key] == before {
 		t.Error("a Node in another zone kept the cached rules")
+	}
+}
+
+// TestChainHashIsFNV1a: chain hashes are hash/fnv's 64-bit FNV-1a of the rules.
+func TestChainHashIsFNV1a(t *testing.T) {
+	for _, s := range []string{"", "-A KUBE-SERVICES -j RETURN\n", "ä\x00\xff"} {
+		h := fnv.New64a()
+		h.Write([]byte(s))
+		if got, want := fnv64a(s), h.Sum64(); got != want {
+			t.Errorf("fnv64a(%q) = %x, want %x", s, got, want)
+		}
 	}
 }

@@ -54,7 +54,7 @@ func endpointsFor(slices map[string]*bus.EndpointSlice, family bus.Family, port 
 			eps = append(eps, endpoint{
 				addr: ap, ready: e.Ready, serving: e.Serving, terminating: e.Terminating,
 				local: local, hairpin: local || e.NodeName == "" || inAny(podCIDRs, e.Addr),
-				zones: e.HintZones, nodes: e.HintNodes,
+				zones: e.HintZones(), nodes: e.HintNodes(),
 			})
 		}
 	}

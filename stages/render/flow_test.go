@@ -504,7 +504,7 @@ func TestFlowTerminatingEndpoints(t *testing.T) {
 func TestFlowTopologyHints(t *testing.T) {
 	s := svc("demo", "zoned", "10.96.0.80", port("http", bus.TCP, 80))
 	za, zb, zb2 := ep("10.244.1.5", testNode), ep("10.244.2.6", "node-b"), ep("10.244.3.7", "node-c")
-	za.HintZones, zb.HintZones, zb2.HintZones = []string{"zone-a"}, []string{"zone-b"}, []string{"zone-b"}
+	za.Hints, zb.Hints, zb2.Hints = &bus.Hints{Zones: []string{"zone-a"}}, &bus.Hints{Zones: []string{"zone-b"}}, &bus.Hints{Zones: []string{"zone-b"}}
 	eps := slice(s, "zoned-1", []bus.EndpointPort{eport("http", bus.TCP, 8080)}, za, zb, zb2)
 	checkFlows(t, renderFlows(t, baseConfig(), state(node(), s, eps)), nil, []flow{
 		{pod.tcp("10.96.0.80", 80), dnat(false, "10.244.1.5:8080")},

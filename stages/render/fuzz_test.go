@@ -107,9 +107,9 @@ func fuzzState(data []byte) bus.State {
 					ep.NodeName = testNode
 				}
 				if e&16 != 0 {
-					ep.HintZones = []string{"zone-a"}
+					ep.Hints = &bus.Hints{Zones: []string{"zone-a"}}
 				} else if e&32 != 0 {
-					ep.HintZones = []string{"zone-b"}
+					ep.Hints = &bus.Hints{Zones: []string{"zone-b"}}
 				}
 				sl.Items = append(sl.Items, ep)
 			}

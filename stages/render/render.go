@@ -79,7 +79,7 @@ type Renderer struct {
 type cachedService struct {
 	svc    *bus.Service
 	slices []*bus.EndpointSlice
-	r      *renderer
+	r      rendering
 }
 
 // NewRenderer makes a renderer with an empty cache.
@@ -107,8 +107,7 @@ func (rr *Renderer) Render(snap *bus.Snapshot) *bus.Plan {
 			for _, port := range svc.Ports {
 				one.writeServicePort(svc, port)
 			}
-			one.snap = nil // the cache must not keep old snapshots alive
-			c = &cachedService{svc: svc, slices: slices, r: one}
+			c = &cachedService{svc: svc, slices: slices, r: one.compact()}
 			rr.cache[key] = c
 		}
 		r.merge(c.r)
@@ -152,20 +151,64 @@ func samePointers(a, b []*bus.EndpointSlice) bool {
 	return true
 }
 
+// rendering is one service's rendering as the cache keeps it: at 10,000
+// services a whole renderer each (builders with room to grow, maps for one or
+// two entries) held as much again as the rules' text.
+type rendering struct {
+	nat, filter []part
+	udp         []udpFrontEnd
+	checks      []healthCheck
+	noLocal     [2]int // "internal", "external"
+	buckets     []netip.Prefix
+}
+
+// part is one chain's rules from one service: the whole of a per-service
+// chain (with its hash), or the service's rules in a shared one.
+type part struct {
+	name, rules string
+	count       int
+	hash        uint64
+}
+
+type udpFrontEnd struct {
+	front netip.AddrPort
+	to    []netip.AddrPort
+}
+
+type healthCheck struct {
+	key bus.ServiceKey
+	hc  bus.HealthCheck
+}
+
+// compact is what the cache keeps of one service's renderer.
+func (r *renderer) compact() rendering {
+	out := rendering{nat: r.nat.parts(), filter: r.filter.parts(),
+		noLocal: [2]int{r.noLocal["internal"], r.noLocal["external"]}}
+	for k, v := range r.udp {
+		out.udp = append(out.udp, udpFrontEnd{k, v})
+	}
+	for k, v := range r.checks {
+		out.checks = append(out.checks, healthCheck{k, v})
+	}
+	for p := range r.buckets {
+		out.buckets = append(out.buckets, p)
+	}
+	return out
+}
+
 // merge adds one service's rendering to r.
-func (r *renderer) merge(one *renderer) {
+func (r *renderer) merge(one rendering) {
 	r.nat.merge(one.nat)
 	r.filter.merge(one.filter)
-	for k, v := range one.udp {
-		r.udp[k] = v
+	for _, u := range one.udp {
+		r.udp[u.front] = u.to
 	}
-	for k, v := range one.checks {
-		r.checks[k] = v
+	for _, c := range one.checks {
+		r.checks[c.key] = c.hc
 	}
-	for k, v := range one.noLocal {
-		r.noLocal[k] += v
-	}
-	for p := range one.buckets {
+	r.noLocal["internal"] += one.noLocal[0]
+	r.noLocal["external"] += one.noLocal[1]
+	for _, p := range one.buckets {
 		r.buckets[p] = true
 	}
 }
@@ -198,7 +241,7 @@ func (r *renderer) plan() *bus.Plan {
 		for _, name := range t.order {
 			c := t.chains[name]
 			tp.RuleCount += c.count
-			tp.Chains = append(tp.Chains, bus.Chain{Name: name, Rules: c.b.String(), Hash: c.sum()})
+			tp.Chains = append(tp.Chains, bus.Chain{Name: name, Rules: c.String(), Hash: c.sum()})
 		}
 		slices.SortStableFunc(tp.Chains, func(a, b bus.Chain) int { return nf.Rank(a.Name) - nf.Rank(b.Name) })
 		p.Tables = append(p.Tables, tp)

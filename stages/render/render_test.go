@@ -50,7 +50,7 @@ func TestGolden(t *testing.T) {
 
 	zoned := svc("demo", "zoned", "10.96.0.80", port("http", bus.TCP, 80))
 	za, zb := ep("10.244.1.5", testNode), ep("10.244.2.6", "node-b")
-	za.HintZones, zb.HintZones = []string{"zone-a"}, []string{"zone-b"}
+	za.Hints, zb.Hints = &bus.Hints{Zones: []string{"zone-a"}}, &bus.Hints{Zones: []string{"zone-b"}}
 	zonedEPs := slice(zoned, "zoned-1", []bus.EndpointPort{eport("http", bus.TCP, 8080)}, za, zb)
 
 	all := svc("demo", "all", "10.96.0.90", bus.Port{Name: "http", Protocol: bus.TCP, Port: 80, NodePort: 30090}, bus.Port{Name: "dns", Protocol: bus.UDP, Port: 53, NodePort: 30053})
@@ -59,7 +59,7 @@ func TestGolden(t *testing.T) {
 	all.LoadBalancerSourceRanges = []netip.Prefix{prefix("203.0.113.0/24")}
 	all.ExternalPolicyLocal, all.HealthCheckNodePort, all.InternalPolicyLocal, all.AffinitySeconds = true, 32090, true, 600
 	allA, allB, allT := ep("10.244.1.5", testNode), ep("10.244.2.6", "node-b"), bus.Endpoint{Addr: ip("10.244.1.8"), Serving: true, Terminating: true, NodeName: testNode}
-	allA.HintZones, allB.HintZones = []string{"zone-a"}, []string{"zone-b"}
+	allA.Hints, allB.Hints = &bus.Hints{Zones: []string{"zone-a"}}, &bus.Hints{Zones: []string{"zone-b"}}
 	allEPs := slice(all, "all-1", []bus.EndpointPort{eport("http", bus.TCP, 8080), eport("dns", bus.UDP, 5353)}, allA, allB, allT)
 
 	hairpin := svc("demo", "hairpin", "10.96.0.110", port("http", bus.TCP, 80))

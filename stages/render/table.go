@@ -1,7 +1,6 @@
 package render
 
 import (
-	"hash/fnv"
 	"strings"
 
 	nf "github.com/kpipe/kpipe/netfilter"
@@ -17,10 +16,19 @@ type table struct {
 // chainText is one chain's rules: built here, or adopted whole (with its hash)
 // from a cached service.
 type chainText struct {
-	b      strings.Builder
-	count  int
-	hash   uint64
-	hashed bool
+	b       strings.Builder
+	adopted string // the rules when adopted whole; b is empty then
+	count   int
+	hash    uint64
+	hashed  bool
+}
+
+// String is the chain's rules.
+func (c *chainText) String() string {
+	if c.adopted != "" {
+		return c.adopted
+	}
+	return c.b.String()
 }
 
 func newTable(name string) *table {
@@ -55,31 +63,53 @@ func (t *table) rule(chain string, parts ...[]string) {
 	c.count++
 }
 
-// sum returns the chain's hash, computing it once.
+// sum returns the chain's hash (64-bit FNV-1a), computing it once.
 func (c *chainText) sum() uint64 {
 	if !c.hashed {
-		h := fnv.New64a()
-		h.Write([]byte(c.b.String()))
-		c.hash, c.hashed = h.Sum64(), true
+		c.hash, c.hashed = fnv64a(c.String()), true
 	}
 	return c.hash
 }
 
-// merge appends another table's chains: shared chains (top-level ones, buckets)
-// get the other table's rules appended, per-service chains are taken over whole.
-func (t *table) merge(o *table) {
-	for _, name := range o.order {
-		oc := o.chains[name]
+// fnv64a is hash/fnv's New64a over s, without copying s to bytes.
+func fnv64a(s string) uint64 {
+	const offset, prime = 14695981039346656037, 1099511628211
+	h := uint64(offset)
+	for i := 0; i < len(s); i++ {
+		h ^= uint64(s[i])
+		h *= prime
+	}
+	return h
+}
+
+// parts is the table's chains as a cached service keeps them, each chain's
+// text copied to exactly its size (a builder leaves room to grow).
+func (t *table) parts() []part {
+	out := make([]part, 0, len(t.order))
+	for _, name := range t.order {
+		c := t.chains[name]
+		p := part{name: name, rules: strings.Clone(c.String()), count: c.count}
 		if nf.KindOf(name).PerService() {
-			if _, dup := t.chains[name]; !dup {
-				t.order = append(t.order, name)
+			p.hash = c.sum()
+		}
+		out = append(out, p)
+	}
+	return out
+}
+
+// merge appends one service's chains: shared chains (top-level ones, buckets)
+// get its rules appended, per-service chains are taken over whole.
+func (t *table) merge(parts []part) {
+	for _, p := range parts {
+		if nf.KindOf(p.name).PerService() {
+			if _, dup := t.chains[p.name]; !dup {
+				t.order = append(t.order, p.name)
 			}
-			oc.sum()
-			t.chains[name] = oc
+			t.chains[p.name] = &chainText{adopted: p.rules, count: p.count, hash: p.hash, hashed: true}
 			continue
 		}
-		c := t.declare(name)
-		c.b.WriteString(oc.b.String())
-		c.count += oc.count
+		c := t.declare(p.name)
+		c.b.WriteString(p.rules)
+		c.count += p.count
 	}
 }

@@ -19,6 +19,10 @@ const (
 	maxAffinitySeconds     = 86400
 )
 
+// toBeDeletedTaint is the cluster autoscaler's taint on a node it is about to
+// delete: /healthz then answers 503, as kube-proxy's does.
+const toBeDeletedTaint = "ToBeDeletedByClusterAutoscaler"
+
 // parseIP reads one address as the rules will write it: IPv4-mapped IPv6
 // addresses become IPv4, and an IPv6 zone ("fe80::1%eth0"), which no rule can
 // hold, makes it invalid.
@@ -214,6 +218,8 @@ func (c Converter) Slice(s *discoveryv1.EndpointSlice) (*bus.EndpointSlice, []sk
 		}
 		out.Ports = append(out.Ports, bus.EndpointPort{Name: name, Protocol: bp, Port: *p.Port})
 	}
+	// Sized once: at 10,000 slices, growing by appends held a third more.
+	out.Items = make([]bus.Endpoint, 0, len(s.Endpoints))
 	for _, e := range s.Endpoints {
 		if len(e.Addresses) == 0 {
 			bad("no-address", "endpoint without addresses")
@@ -245,12 +251,13 @@ func (c Converter) Slice(s *discoveryv1.EndpointSlice) (*bus.EndpointSlice, []sk
 		if e.Zone != nil {
 			ep.Zone = *e.Zone
 		}
-		if e.Hints != nil {
+		if e.Hints != nil && len(e.Hints.ForZones)+len(e.Hints.ForNodes) > 0 {
+			ep.Hints = &bus.Hints{}
 			for _, z := range e.Hints.ForZones {
-				ep.HintZones = append(ep.HintZones, z.Name)
+				ep.Hints.Zones = append(ep.Hints.Zones, z.Name)
 			}
 			for _, n := range e.Hints.ForNodes {
-				ep.HintNodes = append(ep.HintNodes, n.Name)
+				ep.Hints.Nodes = append(ep.Hints.Nodes, n.Name)
 			}
 		}
 		out.Items = append(out.Items, ep)
@@ -278,7 +285,7 @@ func describePort(p discoveryv1.EndpointPort) string {
 func (c Converter) Node(n *corev1.Node) *bus.Node {
 	out := &bus.Node{Name: n.Name, Zone: n.Labels[corev1.LabelTopologyZone], Deleting: n.DeletionTimestamp != nil}
 	for _, t := range n.Spec.Taints {
-		if t.Key == "ToBeDeletedByClusterAutoscaler" {
+		if t.Key == toBeDeletedTaint {
 			out.Deleting = true
 		}
 	}

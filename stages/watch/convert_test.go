@@ -482,7 +482,7 @@ func TestConvertSliceBasics(t *testing.T) {
 	if !slices.Equal(out.Ports, wantPorts) {
 		t.Errorf("Ports = %+v; want %+v", out.Ports, wantPorts)
 	}
-	if ep := out.Items[0]; ep.NodeName != "node-1" || ep.Zone != "zone-a" || ep.HintZones != nil || ep.HintNodes != nil {
+	if ep := out.Items[0]; ep.NodeName != "node-1" || ep.Zone != "zone-a" || ep.HintZones() != nil || ep.HintNodes() != nil {
 		t.Errorf("endpoint = %+v", ep)
 	}
 }
@@ -529,14 +529,14 @@ func TestConvertSliceHints(t *testing.T) {
 			{Addresses: []string{"10.244.0.7"}},
 		}
 	}))
-	if got := out.Items[0]; !slices.Equal(got.HintZones, []string{"zone-a", "zone-b"}) || !slices.Equal(got.HintNodes, []string{"node-1"}) {
-		t.Errorf("hints of first endpoint = zones %v nodes %v", got.HintZones, got.HintNodes)
+	if got := out.Items[0]; !slices.Equal(got.HintZones(), []string{"zone-a", "zone-b"}) || !slices.Equal(got.HintNodes(), []string{"node-1"}) {
+		t.Errorf("hints of first endpoint = zones %v nodes %v", got.HintZones(), got.HintNodes())
 	}
-	if got := out.Items[1]; !slices.Equal(got.HintZones, []string{"zone-c"}) || got.HintNodes != nil {
-		t.Errorf("hints of second endpoint = zones %v nodes %v; want zone-c and no node hints", got.HintZones, got.HintNodes)
+	if got := out.Items[1]; !slices.Equal(got.HintZones(), []string{"zone-c"}) || got.HintNodes() != nil {
+		t.Errorf("hints of second endpoint = zones %v nodes %v; want zone-c and no node hints", got.HintZones(), got.HintNodes())
 	}
-	if got := out.Items[2]; got.HintZones != nil || got.HintNodes != nil {
-		t.Errorf("endpoint without hints has zones %v nodes %v; want nil", got.HintZones, got.HintNodes)
+	if got := out.Items[2]; got.HintZones() != nil || got.HintNodes() != nil {
+		t.Errorf("endpoint without hints has zones %v nodes %v; want nil", got.HintZones(), got.HintNodes())
 	}
 }
 

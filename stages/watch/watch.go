@@ -253,15 +253,16 @@ func (s *Stage) informers(observe func(error)) informerSet {
 	proxied := func(o *metav1.ListOptions) { o.LabelSelector = selector }
 	thisNode := func(o *metav1.ListOptions) { o.FieldSelector = "metadata.name=" + s.conv.NodeName }
 	return informerSet{
-		services: informer(&corev1.Service{}, proxied, observe, services.List, services.Watch),
-		slices:   informer(&discoveryv1.EndpointSlice{}, proxied, observe, slices.List, slices.Watch),
-		nodes:    informer(&corev1.Node{}, thisNode, observe, nodes.List, nodes.Watch),
+		services: informer(&corev1.Service{}, proxied, observe, s.conv.convertForStore, services.List, services.Watch),
+		slices:   informer(&discoveryv1.EndpointSlice{}, proxied, observe, s.conv.convertForStore, slices.List, slices.Watch),
+		nodes:    informer(&corev1.Node{}, thisNode, observe, s.conv.convertForStore, nodes.List, nodes.Watch),
 	}
 }
 
 // informer makes an informer over list and watch (with tweak applied to their
-// options) that reports the outcome of each call to observe.
-func informer[L runtime.Object](obj runtime.Object, tweak func(*metav1.ListOptions), observe func(error),
+// options) that reports the outcome of each call to observe and keeps what
+// transform makes of each object.
+func informer[L runtime.Object](obj runtime.Object, tweak func(*metav1.ListOptions), observe func(error), transform cache.TransformFunc,
 	list func(context.Context, metav1.ListOptions) (L, error),
 	watch func(context.Context, metav1.ListOptions) (k8swatch.Interface, error)) cache.SharedIndexInformer {
 	lw := &cache.ListWatch{
@@ -278,7 +279,9 @@ func informer[L runtime.Object](obj runtime.Object, tweak func(*metav1.ListOptio
 			return w, err
 		},
 	}
-	return cache.NewSharedIndexInformer(lw, obj, 0, cache.Indexers{})
+	inf := cache.NewSharedIndexInformer(lw, obj, 0, cache.Indexers{})
+	_ = inf.SetTransform(transform) // fails only once the informer has started
+	return inf
 }
 
 // lostServer notices when the informers cannot reach the apiserver and then
@@ -397,12 +400,12 @@ func (s *Stage) sendReplay(inf informerSet) {
 	defer s.sendMu.Unlock()
 	st := &bus.State{Services: map[bus.ServiceKey]*bus.Service{}, Slices: map[bus.ServiceKey]map[string]*bus.EndpointSlice{}}
 	for _, obj := range inf.services.GetStore().List() {
-		if svc := s.service(obj.(*corev1.Service)); svc != nil {
+		if svc := s.converted(obj).service; svc != nil {
 			st.Services[svc.ServiceKey] = svc
 		}
 	}
 	for _, obj := range inf.slices.GetStore().List() {
-		if sl := s.slice(obj.(*discoveryv1.EndpointSlice)); sl != nil {
+		if sl := s.converted(obj).slice; sl != nil {
 			if st.Slices[sl.Service] == nil {
 				st.Slices[sl.Service] = map[string]*bus.EndpointSlice{}
 			}
@@ -410,7 +413,7 @@ func (s *Stage) sendReplay(inf informerSet) {
 		}
 	}
 	for _, obj := range inf.nodes.GetStore().List() {
-		st.Node = s.node(obj.(*corev1.Node))
+		st.Node = s.node(s.converted(obj).node)
 	}
 	s.lastNode = st.Node
 	if s.watchAddrs {
@@ -425,42 +428,43 @@ func (s *Stage) sendReplay(inf informerSet) {
 }
 
 func (s *Stage) serviceChange(obj any, deleted bool) (bus.Change, bool) {
-	svc, ok := obj.(*corev1.Service)
+	st, ok := obj.(*stored)
 	if !ok {
 		return bus.Change{}, false
 	}
-	c := bus.Change{Kind: bus.ServiceChanged, Key: bus.ServiceKey{Namespace: svc.Namespace, Name: svc.Name}}
+	c := bus.Change{Kind: bus.ServiceChanged, Key: bus.ServiceKey{Namespace: st.namespace, Name: st.name}}
 	if !deleted {
-		c.Service = s.service(svc)
+		c.Service = s.converted(st).service
 	}
 	return c, true
 }
 
 func (s *Stage) sliceChange(obj any, deleted bool) (bus.Change, bool) {
-	sl, ok := obj.(*discoveryv1.EndpointSlice)
+	st, ok := obj.(*stored)
 	if !ok {
 		return bus.Change{}, false
 	}
-	name := sl.Labels[discoveryv1.LabelServiceName]
-	if name == "" {
-		s.reportSkips(sl.Namespace+"/"+sl.Name, []skip{{"EndpointSlice", "no-service-name", "label " + discoveryv1.LabelServiceName + " missing"}})
+	if st.sliceService == "" {
+		s.reportSkips(st.namespace+"/"+st.name, []skip{{"EndpointSlice", "no-service-name", "label " + discoveryv1.LabelServiceName + " missing"}})
 		return bus.Change{}, false
 	}
-	c := bus.Change{Kind: bus.SliceChanged, Key: bus.ServiceKey{Namespace: sl.Namespace, Name: name}, SliceName: sl.Name}
+	c := bus.Change{Kind: bus.SliceChanged, Key: bus.ServiceKey{Namespace: st.namespace, Name: st.sliceService}, SliceName: st.name}
 	if !deleted {
-		c.Slice = s.slice(sl)
+		c.Slice = s.converted(st).slice
 	}
 	return c, true
 }
 
 func (s *Stage) nodeChange(obj any, deleted bool) (bus.Change, bool) {
-	n, ok := obj.(*corev1.Node)
+	st, ok := obj.(*stored)
 	if !ok {
 		return bus.Change{}, false
 	}
-	node := s.node(n)
+	node := s.node(s.converted(st).node)
 	if deleted {
-		node.Deleting = true
+		gone := *node // the stored value is shared: never changed
+		gone.Deleting = true
+		node = &gone
 	}
 	if sameNode(node, s.lastNode) {
 		return bus.Change{}, false
@@ -478,20 +482,18 @@ func sameNode(a, b *bus.Node) bool {
 		slices.Equal(a.Addrs, b.Addrs) && slices.Equal(a.PodCIDRs, b.PodCIDRs)
 }
 
-func (s *Stage) service(svc *corev1.Service) *bus.Service {
-	out, skips := s.conv.Service(svc)
-	s.reportSkips(svc.Namespace+"/"+svc.Name, skips)
-	return out
+// converted is what the informers keep of obj (a *stored), its skips reported
+// as it is sent. A conversion that panicked panics again here, inside catch.
+func (s *Stage) converted(obj any) *stored {
+	st := obj.(*stored)
+	if st.panicked != nil {
+		panic(st.panicked)
+	}
+	s.reportSkips(st.namespace+"/"+st.name, st.skips)
+	return st
 }
 
-func (s *Stage) slice(sl *discoveryv1.EndpointSlice) *bus.EndpointSlice {
-	out, skips := s.conv.Slice(sl)
-	s.reportSkips(sl.Namespace+"/"+sl.Name, skips)
-	return out
-}
-
-func (s *Stage) node(n *corev1.Node) *bus.Node {
-	node := s.conv.Node(n)
+func (s *Stage) node(node *bus.Node) *bus.Node {
 	s.status.Update(func(r *bus.Report) { r.NodeDeleting = node.Deleting; r.LastQueued = time.Now() })
 	return node
 }
