@@ -243,8 +243,25 @@ func (r *renderer) plan() *bus.Plan {
 			tp.RuleCount += c.count
 			tp.Chains = append(tp.Chains, bus.Chain{Name: name, Rules: c.String(), Hash: c.sum()})
 		}
-		slices.SortStableFunc(tp.Chains, func(a, b bus.Chain) int { return nf.Rank(a.Name) - nf.Rank(b.Name) })
+		tp.Chains = byRank(tp.Chains)
 		p.Tables = append(p.Tables, tp)
 	}
 	return p
+}
+
+// byRank orders chains by nf.Rank, keeping the order of equal ranks, with each
+// chain's rank worked out once (sorting 24,000 chains compared names' kinds
+// hundreds of thousands of times: 15% of a render at 10,000 services).
+func byRank(chains []bus.Chain) []bus.Chain {
+	ranks := make([]int, len(chains))
+	order := make([]int, len(chains))
+	for i, c := range chains {
+		ranks[i], order[i] = nf.Rank(c.Name), i
+	}
+	slices.SortStableFunc(order, func(a, b int) int { return ranks[a] - ranks[b] })
+	out := make([]bus.Chain, len(chains))
+	for i, j := range order {
+		out[i] = chains[j]
+	}
+	return out
 }
