@@ -13,7 +13,7 @@ import (
 // writer: a restarted kpipe compares the two to find the chains it need not
 // write again. ok is false off the nf_tables backend (Digests hashes
 // iptables-save's text there) and for rules the netlink writer cannot
-// translate.
+// translate. With no rules it says whether digests are known at all.
 func (t Tool) ExpectedDigest(ctx context.Context, table, rules string) (digest uint64, ok bool) {
 	if nft, err := t.onNFTables(ctx); err != nil || !nft {
 		return 0, false

@@ -31,7 +31,7 @@ type Kernel interface {
 	// when names is nil; of names, those that exist): equal digests, same rules.
 	Digests(ctx context.Context, table string, names []string) (map[string]uint64, error)
 	// ExpectedDigest is the digest Digests gives a chain holding rules (ok:
-	// known without writing them).
+	// known without writing them; for no rules, whether it ever is).
 	ExpectedDigest(ctx context.Context, table, rules string) (digest uint64, ok bool)
 	// ChainNames lists the chains of table.
 	ChainNames(ctx context.Context, table string) ([]string, error)
@@ -360,13 +360,18 @@ func (s *Stage) changes(ctx context.Context, tp bus.TablePayload, full, refresh 
 // over from kube-proxy) rewrites only what is not right, chain by chain. When
 // the kernel cannot be read, everything is written.
 func (s *Stage) unchanged(ctx context.Context, table string, chains []bus.Chain, kernel []string) (write []bus.Chain, same []sameChain) {
-	inKernel := make(map[string]bool, len(kernel))
-	for _, name := range kernel {
-		inKernel[name] = true
+	if _, known := s.kernel.ExpectedDigest(ctx, table, ""); !known {
+		return chains, nil // the legacy backend: nothing to compare with, so no read
 	}
+	have := make(map[string]bool, len(kernel))
+	for _, name := range kernel {
+		have[name] = true
+	}
+	var inKernel []int // the chains' indexes
 	var names []string
-	for _, c := range chains {
-		if inKernel[c.Name] {
+	for i, c := range chains {
+		if have[c.Name] {
+			inKernel = append(inKernel, i)
 			names = append(names, c.Name)
 		}
 	}
@@ -397,33 +402,18 @@ type expectedDigest struct {
 	known  bool
 }
 
-// expectedDigests starts working out, on every core, the digest each chain in
-// the kernel should have; wait returns them, by the chains' index. Its first
-// answer comes from this goroutine: the kernel may need asking which backend
-// it is, from this thread's network namespace.
-func (s *Stage) expectedDigests(ctx context.Context, table string, chains []bus.Chain, inKernel map[string]bool) (wait func() []expectedDigest) {
+// expectedDigests starts working out, on every core, the digest the chains at
+// indexes todo should have in the kernel; wait returns them, by the chains'
+// index. (Nothing here reads the kernel.)
+func (s *Stage) expectedDigests(ctx context.Context, table string, chains []bus.Chain, todo []int) (wait func() []expectedDigest) {
 	out := make([]expectedDigest, len(chains))
-	var todo []int
-	for i, c := range chains {
-		if inKernel[c.Name] {
-			todo = append(todo, i)
-		}
-	}
-	if len(todo) == 0 {
-		return func() []expectedDigest { return out }
-	}
-	one := func(i int) {
-		d, ok := s.kernel.ExpectedDigest(ctx, table, chains[i].Rules)
-		out[i] = expectedDigest{d, ok}
-	}
-	one(todo[0])
-	todo = todo[1:]
 	workers := runtime.GOMAXPROCS(0)
 	var wg sync.WaitGroup
 	for w := range workers {
 		wg.Go(func() {
 			for j := w; j < len(todo); j += workers {
-				one(todo[j])
+				d, ok := s.kernel.ExpectedDigest(ctx, table, chains[todo[j]].Rules)
+				out[todo[j]] = expectedDigest{d, ok}
 			}
 		})
 	}
@@ -500,9 +490,8 @@ func (s *Stage) learn(ctx context.Context, w writes) {
 // overlaps the kernel's taking the step before. next returns the next step's
 // write; stop ends the preparing early. A single step is prepared by next.
 func (s *Stage) prepareAhead(steps []step) (next func() func(context.Context) error, stop func()) {
-	if len(steps) <= 1 {
-		i := 0
-		return func() func(context.Context) error { i++; return s.kernel.Prepare(steps[i-1].payload()) }, func() {}
+	if len(steps) <= 1 { // next is called at most once
+		return func() func(context.Context) error { return s.kernel.Prepare(steps[0].payload()) }, func() {}
 	}
 	ready := make(chan func(context.Context) error, 1)
 	quit := make(chan struct{})

@@ -2,6 +2,7 @@ package commit
 
 import (
 	"context"
+	"fmt"
 	"sync"
 	"testing"
 	"time"
@@ -9,50 +10,40 @@ import (
 	"github.com/kpipe/kpipe/stages/commit/fakekernel"
 )
 
-// overlapKernel is the fake kernel whose write of a step waits (up to a
-// while) for the next step's Prepare, and counts the writes that waited in
-// vain: only the last step's may, when the next step is prepared meanwhile.
+// overlapKernel is the fake kernel whose write of a step, but the last, waits
+// for the next step's Prepare, and fails when that does not come while it
+// waits: what a commit that prepares only after each write would do.
 type overlapKernel struct {
 	*fakekernel.Kernel
+	steps    int // the write's number of steps
 	mu       sync.Mutex
 	prepared int
-	writes   int
-	alone    int           // writes no Prepare overlapped
-	more     chan struct{} // a Prepare happened
+	more     chan struct{} // closed (and replaced) on each Prepare
 }
 
 func (k *overlapKernel) Prepare(payload []byte) func(context.Context) error {
 	k.mu.Lock()
 	k.prepared++
 	n := k.prepared
+	close(k.more)
+	k.more = make(chan struct{})
 	k.mu.Unlock()
-	select {
-	case k.more <- struct{}{}:
-	default:
-	}
 	write := k.Kernel.Prepare(payload)
 	return func(ctx context.Context) error {
-		deadline := time.After(time.Second)
-		for {
+		deadline := time.After(10 * time.Second)
+		for n < k.steps {
 			k.mu.Lock()
-			ahead := k.prepared > n
+			ahead, more := k.prepared > n, k.more
 			k.mu.Unlock()
 			if ahead {
 				break
 			}
 			select {
-			case <-k.more:
-				continue
+			case <-more:
 			case <-deadline:
+				return fmt.Errorf("step %d of %d was written without the next one prepared meanwhile", n, k.steps)
 			}
-			k.mu.Lock()
-			k.alone++
-			k.mu.Unlock()
-			break
 		}
-		k.mu.Lock()
-		k.writes++
-		k.mu.Unlock()
 		return write(ctx)
 	}
 }
@@ -62,15 +53,17 @@ func (k *overlapKernel) Prepare(payload []byte) func(context.Context) error {
 // and leaves what a fresh kpipe writes.
 func TestLargeWritePreparesAhead(t *testing.T) {
 	st := largeState(maxChainsPerRestore)
-	k := &overlapKernel{Kernel: fakekernel.New(), more: make(chan struct{}, 1)}
-	if err := testStage(k).apply(context.Background(), planOf(st, 1, true)); err != nil {
+	plan := planOf(st, 1, true)
+	counted := fakekernel.New()
+	if err := testStage(counted).apply(context.Background(), plan); err != nil {
 		t.Fatal(err)
 	}
-	if k.writes < 3 {
-		t.Fatalf("%d steps; the test needs a write of several", k.writes)
+	if counted.Restores < 3 {
+		t.Fatalf("%d steps; the test needs a write of several", counted.Restores)
 	}
-	if k.alone != 1 {
-		t.Errorf("%d of %d steps were written with no next step prepared meanwhile; want only the last", k.alone, k.writes)
+	k := &overlapKernel{Kernel: fakekernel.New(), steps: counted.Restores, more: make(chan struct{})}
+	if err := testStage(k).apply(context.Background(), plan); err != nil {
+		t.Fatal(err)
 	}
 	requireFresh(t, k.Kernel, st, "after the write")
 }

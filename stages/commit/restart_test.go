@@ -51,6 +51,44 @@ func TestRestartedCommitWritesOnlyWhatDiffers(t *testing.T) {
 	}
 }
 
+// legacyKernel is the fake kernel as the legacy backend answers: no expected
+// digests; it records the chains each Digests call asked for.
+type legacyKernel struct {
+	*fakekernel.Kernel
+	asked []string
+}
+
+func (k *legacyKernel) ExpectedDigest(context.Context, string, string) (uint64, bool) {
+	return 0, false
+}
+
+func (k *legacyKernel) Digests(ctx context.Context, table string, names []string) (map[string]uint64, error) {
+	k.asked = append(k.asked, names...)
+	return k.Kernel.Digests(ctx, table, names)
+}
+
+// TestLegacyFullSyncReadsNoServiceChains: where the kernel cannot say what a
+// chain's digest should be (the legacy backend, whose read is a whole
+// iptables-save), a full sync does not read the chains to compare: it writes
+// them, as before the comparison existed.
+func TestLegacyFullSyncReadsNoServiceChains(t *testing.T) {
+	k := &legacyKernel{Kernel: fakekernel.New()}
+	st := render.SyntheticState(20, 2)
+	if err := testStage(k).apply(context.Background(), planOf(st, 1, true)); err != nil {
+		t.Fatal(err)
+	}
+	k.asked = nil
+	if err := testStage(k).apply(context.Background(), planOf(st, 1, true)); err != nil {
+		t.Fatal(err)
+	}
+	for _, name := range k.asked {
+		if nf.KindOf(name) == nf.KindService {
+			t.Fatalf("a legacy full sync read service chain %s (asked for %d chains)", name, len(k.asked))
+		}
+	}
+	requireFresh(t, k.Kernel, st, "after the full sync")
+}
+
 // recordingTool is the real kernel, with the payloads commit writes recorded.
 type recordingTool struct {
 	nf.Tool
