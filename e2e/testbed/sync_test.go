@@ -105,12 +105,19 @@ func TestWaitSyncedPollsUntilEveryFamilyFullySynced(t *testing.T) {
 // error names the family.
 func TestWaitSyncedTimesOutNamingTheMissingFamily(t *testing.T) {
 	get, requests := syncServer(t, 4) // stays at "one family synced"
-	err := waitSynced(get, notExited, 200*time.Millisecond, time.Millisecond)
+	const timeout = 300 * time.Millisecond
+	start := time.Now()
+	err := waitSynced(get, notExited, timeout, time.Millisecond)
 	if err == nil || !strings.Contains(err.Error(), "[IPv6]") {
 		t.Errorf("waitSynced = %v, want a timeout naming IPv6", err)
 	}
-	if n := requests.Load(); n < 10 {
-		t.Errorf("only %d requests in 200ms: waitSynced did not keep polling", n)
+	// Counts, not rates: a loaded CI machine may answer only a few requests in
+	// the window, but a waitSynced that gave up early or stopped asking fails.
+	if waited := time.Since(start); waited < timeout {
+		t.Errorf("waitSynced gave up after %v, before its %v timeout", waited, timeout)
+	}
+	if n := requests.Load(); n < 3 {
+		t.Errorf("only %d requests before the timeout: waitSynced did not keep polling", n)
 	}
 }
 
