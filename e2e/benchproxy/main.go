@@ -260,7 +260,7 @@ func benchOne(ctx context.Context, tb *testbed.Testbed, w *workload, proxy, bin 
 	if proxy == "kpipe" {
 		mode = "iptables"
 	}
-	k := newKernel(tb, node, proxy == "nftables")
+	k := kernel{tb: tb, node: node, nft: proxy == "nftables"}
 
 	// First sync: from the start to the last service's chain complete.
 	start := time.Now()
