@@ -19,8 +19,8 @@ import (
 )
 
 // kernel reads what a proxy wrote in its node namespace: the endpoint
-// addresses a service's own chain sends to, from the kernel (iptables or nft
-// listing the chain), never from the proxy.
+// addresses a service's own chain sends to, from the kernel (nf_tables
+// netlink, nft or iptables-save listing the chain), never from the proxy.
 type kernel struct {
 	tb   *testbed.Testbed
 	node *testbed.FreshNode
