@@ -15,8 +15,6 @@ import (
 // --iptables-sync-period (5 s), as kube-proxy's.
 const healthTimeout = 10 * time.Second
 
-const restoreFailuresMetricName = "kubeproxy_sync_proxy_rules_iptables_restore_failures_total"
-
 // serviceChainOf is the KUBE-SVC- chain the node's nat table sends svc's
 // ClusterIP:port to, told from kpipe's dispatch chains by serviceChain (one
 // service chain in 32 also starts "KUBE-SVC-B": its hash begins with B).
@@ -90,7 +88,7 @@ func TestCommitRejectedByTheKernel(t *testing.T) {
 	t.Logf("another agent's chain %s jumps to %s, the chain of service held", other, chain)
 
 	v4 := map[string]string{"ip_family": "IPv4"}
-	failures := metricSum(t, restoreFailuresMetricName, v4)
+	failures := metricSum(t, restoreFailuresMetric, v4)
 	l := startLoop(tcp(2*time.Second), client, addr, 20*time.Millisecond)
 	defer func() {
 		if l != nil {
@@ -110,8 +108,8 @@ func TestCommitRejectedByTheKernel(t *testing.T) {
 
 	// Failures counted, /healthz 503 after the health timeout, a Warning.
 	testbed.Eventually(t, 20*time.Second, func() error {
-		if n := metricSum(t, restoreFailuresMetricName, v4); n < failures+3 {
-			return fmt.Errorf("%s{IPv4} = %v, was %v", restoreFailuresMetricName, n, failures)
+		if n := metricSum(t, restoreFailuresMetric, v4); n < failures+3 {
+			return fmt.Errorf("%s{IPv4} = %v, was %v", restoreFailuresMetric, n, failures)
 		}
 		return nil
 	})
@@ -170,10 +168,10 @@ func TestCommitRejectedByTheKernel(t *testing.T) {
 		return nil
 	})
 	t.Logf("recovered %v after the other agent's rule went: /healthz 200, %s deleted", since(start), chain)
-	after := metricSum(t, restoreFailuresMetricName, v4)
+	after := metricSum(t, restoreFailuresMetric, v4)
 	e.endpoints(serving, 1, 2, 4)
 	expectExactly(t, "a change after the recovery", tcp(2*time.Second), client, addr, podIPs(1, 2, 4))
-	if n := metricSum(t, restoreFailuresMetricName, v4); n != after {
+	if n := metricSum(t, restoreFailuresMetric, v4); n != after {
 		t.Errorf("restore failures went on after the recovery: %v → %v", after, n)
 	}
 	l.finishWithNoFailure(t, "connections to the other service while commits failed")
@@ -192,7 +190,7 @@ func TestCommitRejectedByTheKernel(t *testing.T) {
 func TestXtablesLockHeldDoesNotStopCommits(t *testing.T) {
 	e, svc, addr, client := answeringEcho(t)
 	v4 := map[string]string{"ip_family": "IPv4"}
-	failures := metricSum(t, restoreFailuresMetricName, v4)
+	failures := metricSum(t, restoreFailuresMetric, v4)
 	const hold = 8 * time.Second // longer than -w 5
 	release, err := tb.HoldXtablesLock(hold)
 	if err != nil {
@@ -207,7 +205,7 @@ func TestXtablesLockHeldDoesNotStopCommits(t *testing.T) {
 		t.Fatalf("the lock was released (after %v) before the change was seen programmed (%v): the test proves nothing", hold, took.Round(time.Millisecond))
 	}
 	t.Logf("programmed %v after the change, with the xtables lock held throughout", took.Round(time.Millisecond))
-	if n := metricSum(t, restoreFailuresMetricName, v4); n != failures {
-		t.Errorf("%s{IPv4} went from %v to %v while the lock was held", restoreFailuresMetricName, failures, n)
+	if n := metricSum(t, restoreFailuresMetric, v4); n != failures {
+		t.Errorf("%s{IPv4} went from %v to %v while the lock was held", restoreFailuresMetric, failures, n)
 	}
 }

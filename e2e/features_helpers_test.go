@@ -416,13 +416,7 @@ func scrapeSum(name string, labels map[string]string) (float64, error) {
 	if err != nil {
 		return 0, err
 	}
-	sum := 0.0
-	for key, v := range m {
-		if testbed.SampleOf(key, name, labels) {
-			sum += v
-		}
-	}
-	return sum, nil
+	return testbed.Sum(m, name, labels), nil
 }
 
 // kpipeMetrics scrapes kpipe's /metrics (see testbed.ScrapeMetrics).

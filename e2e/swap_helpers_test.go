@@ -141,20 +141,17 @@ func (e *env) deleteUnderKubeProxy(kp *testbed.KubeProxy, svc *corev1.Service) {
 	}
 }
 
-// restoreFailuresMetric counts kube-proxy's failed iptables-restore runs.
+// restoreFailuresMetric counts failed iptables-restore runs (kube-proxy's
+// metric; kpipe's failed commits count in it too).
 const restoreFailuresMetric = "kubeproxy_sync_proxy_rules_iptables_restore_failures_total"
 
 // restoreFailures is kube-proxy's count of failed iptables-restore runs, all
 // IP families (absent until the first failure).
 func restoreFailures(t *testing.T, kp *testbed.KubeProxy) float64 {
 	t.Helper()
-	samples, err := kp.Metric(restoreFailuresMetric)
+	m, err := kp.Metrics()
 	if err != nil {
 		t.Fatal(err)
 	}
-	sum := 0.0
-	for _, v := range samples {
-		sum += v
-	}
-	return sum
+	return testbed.Sum(m, restoreFailuresMetric, nil)
 }

@@ -1,8 +1,10 @@
 package e2e
 
 import (
+	"errors"
 	"fmt"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -164,16 +166,33 @@ func (tr *traffic) totals() (attempted, failed int) {
 func (tr *traffic) finish() {
 	tr.t.Helper()
 	tr.stop()
+	for _, p := range tr.problems() {
+		tr.t.Error(p)
+	}
+}
+
+// problems are, once the loops stopped, the answers by endpoints not allowed
+// and the phases' failures, the requests after the last phase in one of
+// their own.
+func (tr *traffic) problems() []string {
+	for i, l := range tr.loops {
+		if l.ok+len(l.failures) > tr.last[i][0]+tr.last[i][1] {
+			tr.endPhase("after the last phase, until the loops stopped")
+			break
+		}
+	}
+	var out []string
 	for i, l := range tr.loops {
 		if _, extra := compareAnswerers(l.seen, tr.allowed); len(extra) > 0 {
-			tr.t.Errorf("%s: answered by %v; only %v are endpoints (answers by endpoint %v)", tr.targets[i].name, extra, tr.allowed, l.seen)
+			out = append(out, fmt.Sprintf("%s: answered by %v; only %v are endpoints (answers by endpoint %v)", tr.targets[i].name, extra, tr.allowed, l.seen))
 		}
 	}
 	for _, p := range tr.phases {
 		if len(p.failureLines) > 0 {
-			tr.t.Errorf("phase %q: %d requests failed:\n%s", p.name, len(p.failureLines), strings.Join(p.failureLines, "\n"))
+			out = append(out, fmt.Sprintf("phase %q: %d requests failed:\n%s", p.name, len(p.failureLines), strings.Join(p.failureLines, "\n")))
 		}
 	}
+	return out
 }
 
 // stop stops the loops (once).
@@ -192,5 +211,37 @@ func (tr *traffic) expectEndpoints(step string, pods ...int) {
 	tr.t.Helper()
 	for _, tg := range tr.targets {
 		expectExactly(tr.t, step+": "+tg.name, tg.d, tg.ns, tg.addr, podIPs(pods...))
+	}
+}
+
+// TestTrafficCountsRequestsAfterTheLastPhase: a request that fails after the
+// last endPhase (a test ends its last phase, then finishes) fails the test
+// too. A fake dialer: this tests the helper, not kpipe.
+func TestTrafficCountsRequestsAfterTheLastPhase(t *testing.T) {
+	var failing atomic.Bool
+	d := func(ns, addr string) (testbed.Answer, error) {
+		if failing.Load() {
+			return testbed.Answer{}, testbed.ErrRefused
+		}
+		return testbed.Answer{Endpoint: "10.244.1.11"}, nil
+	}
+	tr := newTraffic(t, time.Millisecond, []string{"10.244.1.11"}, target{"fake", d, "kpe2e-x-client", "10.96.0.10:80"})
+	tr.start([]string{"10.244.1.11"})
+	keepsAnswering(t, tr.loops[0], "before the failures")
+	tr.endPhase("answered")
+	failing.Store(true)
+	testbed.Eventually(t, 5*time.Second, func() error {
+		tr.loops[0].mu.Lock()
+		defer tr.loops[0].mu.Unlock()
+		if len(tr.loops[0].failures) == 0 {
+			return errors.New("no failure yet")
+		}
+		return nil
+	})
+	tr.stop()
+	if p := tr.problems(); len(p) == 0 {
+		t.Fatal("requests failed after the last phase, yet traffic reports no problem")
+	} else {
+		t.Logf("reported: %.200s", p)
 	}
 }

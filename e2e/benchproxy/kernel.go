@@ -4,12 +4,12 @@ import (
 	"context"
 	"crypto/sha256"
 	"encoding/base32"
-	"encoding/binary"
 	"encoding/hex"
 	"fmt"
-	"net/netip"
+	"net"
 	"regexp"
 	"slices"
+	"strconv"
 	"strings"
 	"time"
 
@@ -19,34 +19,32 @@ import (
 )
 
 // kernel reads what a proxy wrote in its node namespace: the endpoint
-// addresses a service's own chain sends to, from the kernel (iptables or nft
-// listing the chain), never from the proxy.
+// addresses a service's own chain sends to, from the kernel (nf_tables
+// netlink, nft or iptables-save listing the chain), never from the proxy.
 type kernel struct {
 	tb   *testbed.Testbed
 	node *testbed.FreshNode
 	nft  bool // kube-proxy's nftables mode (table ip kube-proxy); else iptables' nat table
-	// seps maps kube-proxy's KUBE-SEP- chains to the endpoint they DNAT to. Over
-	// 1,000 endpoints kube-proxy leaves the comments out of its service chains
-	// (its "large cluster mode"), so their jumps name endpoint chains only. A
-	// KUBE-SEP- chain's name is a hash of its endpoint: listed once, known.
-	seps map[string]string
-}
-
-func newKernel(tb *testbed.Testbed, node *testbed.FreshNode, nft bool) kernel {
-	return kernel{tb: tb, node: node, nft: nft, seps: map[string]string{}}
 }
 
 var (
 	// "-A KUBE-SVC-X ... --comment "ns/svc:http -> 10.244.1.2:8080" ...": the
 	// endpoint rules of a service chain, kpipe's and kube-proxy's alike.
 	iptablesEndpoint = regexp.MustCompile(`-> (\d+\.\d+\.\d+\.\d+):\d+`)
-	// "-A KUBE-SVC-X ... -j KUBE-SEP-Y" without a comment, and KUBE-SEP-Y's
-	// "-j DNAT --to-destination 10.244.1.2:8080".
-	sepJump = regexp.MustCompile(`-j (KUBE-SEP-[A-Z0-9]+)`)
-	dnatTo  = regexp.MustCompile(`--to-destination (\d+\.\d+\.\d+\.\d+):\d+`)
+	// "-A KUBE-SVC-X ... -j KUBE-SEP-Y": over 1,000 endpoints kube-proxy
+	// leaves the comments out of its service chains (its "large cluster
+	// mode"), so their jumps name endpoint chains only. (The bench's services
+	// have no session affinity: a service chain names an endpoint chain only
+	// in its jump to it.)
+	endpointJump = regexp.MustCompile(netfilter.PrefixEndpoint + `[A-Z2-7]{16}`)
 	// "... vmap { 0 : goto endpoint-HASH-ns/svc/tcp/http__10.244.1.2/8080, ...}".
 	nftEndpoint = regexp.MustCompile(`__(\d+\.\d+\.\d+\.\d+)/\d+`)
 )
+
+// port is s's service port as the proxies name its chains after it.
+func port(s *benchService) bus.ServicePortName {
+	return bus.ServicePortName{ServiceKey: bus.ServiceKey{Namespace: benchNamespace, Name: s.svc.Name}, Port: portName, Protocol: bus.TCP}
+}
 
 // chain names the chain of s's port as the proxy names it.
 func (k kernel) chain(s *benchService) string {
@@ -55,125 +53,63 @@ func (k kernel) chain(s *benchService) string {
 		sum := sha256.Sum256([]byte(name))
 		return "service-" + base32.StdEncoding.EncodeToString(sum[:])[:8] + "-" + name
 	}
-	return netfilter.ServiceChain(netfilter.PrefixService, bus.ServicePortName{
-		ServiceKey: bus.ServiceKey{Namespace: benchNamespace, Name: s.svc.Name}, Port: portName, Protocol: bus.TCP})
+	return netfilter.ServiceChain(netfilter.PrefixService, port(s))
 }
 
-// endpoints are the addresses s's chain sends to now, sorted; none when the
-// chain does not exist (yet). The iptables modes' chain is read over nf_tables
-// netlink (a fraction of a millisecond); nftables mode's with nft.
-func (k kernel) endpoints(s *benchService) []string {
-	if !k.nft {
-		return k.netlinkEndpoints(k.chain(s))
+// endpoints are the addresses s's chain sends to now, sorted (see addresses;
+// want is what s's endpoints are); none when the chain does not exist (yet).
+// The iptables modes' chain is read over nf_tables netlink (a fraction of a
+// millisecond); nftables mode's with nft.
+func (k kernel) endpoints(s *benchService, want []string) []string {
+	var (
+		text string
+		err  error
+	)
+	if k.nft {
+		text, err = k.node.Exec("nft", "list", "chain", "ip", "kube-proxy", k.chain(s))
+	} else {
+		text, err = k.netlinkChain(k.chain(s))
 	}
-	out, err := k.node.Exec("nft", "list", "chain", "ip", "kube-proxy", k.chain(s))
 	if err != nil {
 		return nil
 	}
-	return k.addresses(out, nil)
+	return k.addresses(s, want, text)
 }
 
-// netlinkEndpoints reads an iptables service chain from the kernel: the
-// endpoints its comments name ("-> 10.244.1.2:8080"), else those of the
-// KUBE-SEP- chains it jumps to (their DNAT target's address).
-func (k kernel) netlinkEndpoints(chain string) []string {
-	rules := k.readChain(chain)
-	var ips []string
-	for _, r := range rules {
-		for _, e := range r {
-			if m := iptablesEndpoint.FindStringSubmatch(string(e.data)); e.name == "match" && m != nil {
-				ips = append(ips, m[1])
-			}
-		}
-	}
-	if len(ips) == 0 {
-		for _, r := range rules {
-			for _, e := range r {
-				sep := sepName.Find(e.data)
-				if e.name != "immediate" || sep == nil {
-					continue
-				}
-				ip, ok := k.seps[string(sep)]
-				if !ok {
-					if ip, ok = k.dnatOf(string(sep)); ok {
-						k.seps[string(sep)] = ip
-					}
-				}
-				if ok {
-					ips = append(ips, ip)
-				}
-			}
-		}
-	}
-	slices.Sort(ips)
-	return ips
-}
-
-var sepName = regexp.MustCompile(`KUBE-SEP-[A-Z0-9]+`)
-
-// expr is one nf_tables expression of a rule: its name, and its data.
-type expr struct {
-	name string
-	data []byte
-}
-
-// readChain lists a nat chain's rules from the node's kernel; none when it
-// does not exist.
-func (k kernel) readChain(chain string) [][]expr {
-	var listed [][]string
+// netlinkChain reads a nat chain from the node's kernel over nf_tables
+// netlink (see matchesAndVerdicts).
+func (k kernel) netlinkChain(chain string) (string, error) {
+	var rules [][]string
 	err := k.tb.InNamespace(k.node.NS, func() (err error) {
-		listed, err = netfilter.Tool{Family: bus.IPv4}.ChainExpressions(context.Background(), netfilter.TableNAT, chain)
+		rules, err = netfilter.Tool{Family: bus.IPv4}.ChainExpressions(context.Background(), netfilter.TableNAT, chain)
 		return err
 	})
-	if err != nil {
-		return nil
-	}
-	out := make([][]expr, len(listed))
-	for i, r := range listed {
+	return matchesAndVerdicts(rules), err
+}
+
+// matchesAndVerdicts is the data of the rules' matches and verdicts
+// (ChainExpressions' listing), one a line, raw: their endpoint comments and
+// the chain names they jump to read as in iptables-save's text.
+func matchesAndVerdicts(rules [][]string) string {
+	var b strings.Builder
+	for _, r := range rules {
 		for _, e := range r {
 			name, data, _ := strings.Cut(e, " ")
-			b, _ := hex.DecodeString(data)
-			out[i] = append(out[i], expr{name, b})
-		}
-	}
-	return out
-}
-
-// dnatOf is the address a KUBE-SEP- chain's DNAT target sends to: the
-// min_addr of its struct nf_nat_range2 (after a 4-byte flags field).
-func (k kernel) dnatOf(chain string) (string, bool) {
-	for _, r := range k.readChain(chain) {
-		for _, e := range r {
-			if e.name != "target" {
+			if name != "match" && name != "immediate" {
 				continue
 			}
-			var name string
-			var info []byte
-			for b := e.data; len(b) >= 4; {
-				size := int(binary.NativeEndian.Uint16(b))
-				if size < 4 || size > len(b) {
-					break
-				}
-				switch binary.NativeEndian.Uint16(b[2:]) & 0x3fff {
-				case 1: // NFTA_TARGET_NAME
-					name = strings.TrimRight(string(b[4:size]), "\x00")
-				case 3: // NFTA_TARGET_INFO
-					info = b[4:size]
-				}
-				b = b[min(len(b), (size+3)&^3):]
-			}
-			if name == "DNAT" && len(info) >= 8 {
-				return netip.AddrFrom4([4]byte(info[4:8])).String(), true
-			}
+			raw, _ := hex.DecodeString(data)
+			b.Write(raw)
+			b.WriteByte('\n')
 		}
 	}
-	return "", false
+	return b.String()
 }
 
-// addresses are the endpoints a service chain's text sends to, sorted;
-// sepText gives a KUBE-SEP- chain's text when the service chain names only
-// endpoint chains.
-func (k kernel) addresses(text string, sepText func(chain string) string) []string {
+// addresses are the endpoints a chain's text sends to, sorted: those its
+// comments name, else (iptables modes) those of the KUBE-SEP- chains it jumps
+// to (see jumpedTo).
+func (k kernel) addresses(s *benchService, want []string, text string) []string {
 	re := iptablesEndpoint
 	if k.nft {
 		re = nftEndpoint
@@ -182,22 +118,32 @@ func (k kernel) addresses(text string, sepText func(chain string) string) []stri
 	for _, m := range re.FindAllStringSubmatch(text, -1) {
 		ips = append(ips, m[1])
 	}
-	if len(ips) == 0 && !k.nft && sepText != nil {
-		for _, m := range sepJump.FindAllStringSubmatch(text, -1) {
-			ip, ok := k.seps[m[1]]
-			if !ok {
-				if d := dnatTo.FindStringSubmatch(sepText(m[1])); d != nil {
-					ip, ok = d[1], true
-					k.seps[m[1]] = ip
-				}
-			}
-			if ok {
-				ips = append(ips, ip)
-			}
-		}
+	if len(ips) == 0 && !k.nft {
+		ips = jumpedTo(s, want, text)
 	}
 	slices.Sort(ips)
 	return ips
+}
+
+// jumpedTo are the endpoints of the KUBE-SEP- chains a chain's text jumps to,
+// known by their names: a KUBE-SEP- chain's name is a hash of its endpoint
+// (netfilter.EndpointName, as kube-proxy names them). A jump to the chain of
+// none of want (s's endpoints) shows as that chain's name.
+func jumpedTo(s *benchService, want []string, text string) []string {
+	jumps := endpointJump.FindAllString(text, -1)
+	if len(jumps) == 0 {
+		return nil
+	}
+	byChain := make(map[string]string, len(want))
+	for _, ip := range want {
+		byChain[netfilter.EndpointName(port(s), net.JoinHostPort(ip, strconv.Itoa(testbed.EchoPort)))] = ip
+	}
+	for i, c := range jumps {
+		if ip, ok := byChain[c]; ok {
+			jumps[i] = ip
+		}
+	}
+	return jumps
 }
 
 // waitFor polls s's chain until it sends to exactly s's endpoints now and
@@ -206,7 +152,7 @@ func (k kernel) waitFor(s *benchService, timeout time.Duration, alive func() err
 	want := s.want()
 	deadline := time.Now().Add(timeout)
 	for {
-		got := k.endpoints(s)
+		got := k.endpoints(s, want)
 		seen := time.Now()
 		if slices.Equal(got, want) {
 			return seen, nil
@@ -234,10 +180,9 @@ func (k kernel) mismatches(svcs []*benchService) (n int, example string, err err
 		return 0, "", err
 	}
 	chains := k.chainTexts(out)
-	sepText := func(chain string) string { return chains[chain] }
 	for _, s := range svcs {
 		want := s.want()
-		if got := k.addresses(chains[k.chain(s)], sepText); !slices.Equal(got, want) {
+		if got := k.addresses(s, want, chains[k.chain(s)]); !slices.Equal(got, want) {
 			if n == 0 {
 				example = fmt.Sprintf("%s: chain %s sends to %v, not %v", s.svc.Name, k.chain(s), got, want)
 			}

@@ -21,9 +21,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"io"
 	"math/rand/v2"
-	"net/http"
 	"os"
 	"os/signal"
 	"slices"
@@ -260,7 +258,7 @@ func benchOne(ctx context.Context, tb *testbed.Testbed, w *workload, proxy, bin 
 	if proxy == "kpipe" {
 		mode = "iptables"
 	}
-	k := newKernel(tb, node, proxy == "nftables")
+	k := kernel{tb: tb, node: node, nft: proxy == "nftables"}
 
 	// First sync: from the start to the last service's chain complete.
 	start := time.Now()
@@ -271,12 +269,7 @@ func benchOne(ctx context.Context, tb *testbed.Testbed, w *workload, proxy, bin 
 		return r, err
 	}
 	defer func() { _ = p.Stop(15 * time.Second) }()
-	alive := func() error {
-		if p.Exited() {
-			return fmt.Errorf("%s exited: %v\n--- log (%s):\n%s", proxy, p.ExitErr(), p.LogPath, p.Tail(20))
-		}
-		return ctx.Err()
-	}
+	alive := running(ctx, p, proxy)
 	pid, err := proxyPID(p.PID(), bin)
 	if err != nil {
 		return r, err
@@ -289,7 +282,7 @@ func benchOne(ctx context.Context, tb *testbed.Testbed, w *workload, proxy, bin 
 		return r, fmt.Errorf("first sync: %w", err)
 	}
 	r.firstSync = seen.Sub(start)
-	prof := profiler{tb: tb, ns: node.NS, name: name, proxy: proxy, pid: pid}
+	prof := newProfiler(tb, node.NS, name, proxy, pid)
 	prof.at("first-sync")
 	if _, err := k.waitAll(w.svcs, time.Minute, alive); err != nil {
 		return r, fmt.Errorf("after the first sync: %w", err)
@@ -311,10 +304,7 @@ func benchOne(ctx context.Context, tb *testbed.Testbed, w *workload, proxy, bin 
 		return r, err
 	}
 	defer writes.stop()
-	var profiled <-chan error
-	if len(profileArgs(proxy)) > 0 {
-		profiled = profileChurn(tb, node.NS, fmt.Sprintf("%s/%s-churn.cpu", profileDir(), name))
-	}
+	profiled := prof.churn()
 	last, lastSvc, took, err := w.churn(ctx, churnUpdates, churnSpread)
 	if err != nil {
 		return r, fmt.Errorf("churn: %w", err)
@@ -344,7 +334,7 @@ func benchOne(ctx context.Context, tb *testbed.Testbed, w *workload, proxy, bin 
 	}
 	logf("%s min-sync %v: log %s", proxy, minSync, p.LogPath)
 	if proxy == "kpipe" {
-		if r.restart, err = restart(tb, w, k, p, args, seq); err != nil {
+		if r.restart, err = restart(ctx, tb, w, k, p, args, seq); err != nil {
 			return r, fmt.Errorf("restart: %w", err)
 		}
 	}
@@ -364,7 +354,7 @@ type restarted struct {
 
 // restart stops p, starts kpipe again in the same namespace, and changes one
 // service's endpoints at once.
-func restart(tb *testbed.Testbed, w *workload, k kernel, p *testbed.Process, argv []string, seq int) (restarted, error) {
+func restart(ctx context.Context, tb *testbed.Testbed, w *workload, k kernel, p *testbed.Process, argv []string, seq int) (restarted, error) {
 	var r restarted
 	if err := p.Stop(15 * time.Second); err != nil {
 		return r, err
@@ -373,29 +363,35 @@ func restart(tb *testbed.Testbed, w *workload, k kernel, p *testbed.Process, arg
 	if err != nil {
 		return r, err
 	}
+	defer writes.stop()
 	again, err := k.node.Start(fmt.Sprintf("bench-%d-kpipe-restarted", seq), argv...)
 	if err != nil {
-		writes.stop()
 		return r, err
 	}
 	defer func() { _ = again.Stop(15 * time.Second) }()
-	alive := func() error {
-		if again.Exited() {
-			return fmt.Errorf("restarted kpipe exited: %v\n--- log (%s):\n%s", again.ExitErr(), again.LogPath, again.Tail(20))
-		}
-		return nil
-	}
 	s := w.svcs[rand.IntN(len(w.svcs))]
 	t := time.Now()
-	if err := w.replaceEndpoint(context.Background(), s); err != nil {
-		writes.stop()
+	if err := w.replaceEndpoint(ctx, s); err != nil {
 		return r, err
 	}
-	seen, err := k.waitFor(s, 5*time.Minute, alive)
+	seen, err := k.waitFor(s, 5*time.Minute, running(ctx, again, "restarted kpipe"))
+	if err != nil {
+		return r, err
+	}
 	r.change = seen.Sub(t)
 	time.Sleep(time.Second) // the rest of the restarted full sync, if any
 	r.txns, r.bytes, r.lost = writes.stop()
-	return r, err
+	return r, nil
+}
+
+// running is nil while p (the proxy what) runs and ctx is live, else why not.
+func running(ctx context.Context, p *testbed.Process, what string) func() error {
+	return func() error {
+		if p.Exited() {
+			return fmt.Errorf("%s exited: %v\n--- log (%s):\n%s", what, p.ExitErr(), p.LogPath, p.Tail(20))
+		}
+		return ctx.Err()
+	}
 }
 
 // latencies makes changeCount endpoint changes (fewer past seriesBudget), each at a random service,
@@ -509,33 +505,4 @@ func printRatios(cfg config, results map[runKey]result) {
 				ratio(float64(kp.usage.peakRSSKiB), float64(up.usage.peakRSSKiB)), dur(kp.usage.cpu, up.usage.cpu))
 		}
 	}
-}
-
-// profileChurn takes a CPU profile of kpipe over the churn (pprof on its
-// metrics address with --profiling, in the node's namespace) into path;
-// stages are pprof labels: go tool pprof -tagfocus stage=commit-ipv4 ...
-func profileChurn(tb *testbed.Testbed, ns, path string) <-chan error {
-	done := make(chan error, 1)
-	go func() {
-		seconds := int(churnSpread/time.Second) + 3
-		url := fmt.Sprintf("http://127.0.0.1:10249/debug/pprof/profile?seconds=%d", seconds)
-		resp, err := tb.HTTPClient(ns, time.Duration(seconds+30)*time.Second).Get(url)
-		if err != nil {
-			done <- err
-			return
-		}
-		defer resp.Body.Close()
-		body, err := io.ReadAll(resp.Body)
-		if err == nil && resp.StatusCode != http.StatusOK {
-			err = fmt.Errorf("%s: %s", url, resp.Status)
-		}
-		if err == nil {
-			err = os.WriteFile(path, body, 0o644)
-		}
-		if err == nil {
-			logf("churn profile in %s", path)
-		}
-		done <- err
-	}()
-	return done
 }

@@ -4,20 +4,27 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"time"
 
 	"github.com/kpipe/kpipe/e2e/testbed"
 )
 
-// profiler saves kpipe's heap profile at the points of a run where its memory
-// matters (after the first sync, the peak; after the churn), when BENCH_PROFILE
-// names a directory: kpipe then runs with --profiling (pprof on its metrics
-// address). Each point is also logged with the process's resident set so far.
+// profiler saves kpipe's profiles when BENCH_PROFILE names a directory
+// (kpipe then runs with --profiling: pprof on its metrics address): its heap
+// where its memory matters (after the first sync, the peak; after the
+// churn), and its CPU over the churn (stages are pprof labels: go tool pprof
+// -tagfocus stage=commit-ipv4 ...). Each point is also logged with the
+// process's resident set so far, profiles or not.
 type profiler struct {
-	tb    *testbed.Testbed
-	ns    string
-	name  string // the run's name, prefixing each file
-	proxy string
-	pid   int
+	tb   *testbed.Testbed
+	ns   string
+	name string // the run's name, prefixing each file
+	pid  int
+	on   bool // the proxy runs with profileArgs
+}
+
+func newProfiler(tb *testbed.Testbed, ns, name, proxy string, pid int) profiler {
+	return profiler{tb: tb, ns: ns, name: name, pid: pid, on: len(profileArgs(proxy)) > 0}
 }
 
 func profileDir() string { return os.Getenv("BENCH_PROFILE") }
@@ -35,18 +42,41 @@ func (p profiler) at(phase string) {
 	if u, err := readUsage(p.pid); err == nil {
 		logf("%s %s: peak RSS so far %.1f MiB", p.name, phase, float64(u.peakRSSKiB)/1024)
 	}
-	if len(profileArgs(p.proxy)) == 0 {
+	if !p.on {
 		return
 	}
-	code, body, err := p.tb.HTTPGet(p.ns, "http://127.0.0.1:10249/debug/pprof/heap")
-	if err != nil || code != 200 {
-		logf("%s %s: heap profile: HTTP %d, %v", p.name, phase, code, err)
-		return
+	if err := p.save("heap", phase+".heap", 0); err != nil {
+		logf("%s %s: heap profile: %v", p.name, phase, err)
 	}
-	path := filepath.Join(profileDir(), fmt.Sprintf("%s-%s.heap", p.name, phase))
+}
+
+// churn starts the CPU profile of the churn; the channel gives its outcome
+// when it is saved (a nil channel when profiles are off).
+func (p profiler) churn() <-chan error {
+	if !p.on {
+		return nil
+	}
+	done := make(chan error, 1)
+	seconds := int(churnSpread/time.Second) + 3
+	go func() { done <- p.save(fmt.Sprintf("profile?seconds=%d", seconds), "churn.cpu", seconds) }()
+	return done
+}
+
+// save GETs the pprof profile at what, which takes seconds to take, into
+// the run's file suffix.
+func (p profiler) save(what, suffix string, seconds int) error {
+	url := "http://127.0.0.1:10249/debug/pprof/" + what
+	code, body, err := p.tb.HTTPGetWithin(p.ns, url, time.Duration(seconds+30)*time.Second)
+	if err == nil && code != 200 {
+		err = fmt.Errorf("%s: HTTP %d: %s", url, code, body)
+	}
+	if err != nil {
+		return err
+	}
+	path := filepath.Join(profileDir(), p.name+"-"+suffix)
 	if err := os.WriteFile(path, body, 0o644); err != nil {
-		logf("%s %s: %v", p.name, phase, err)
-		return
+		return err
 	}
-	logf("%s %s: heap profile %s", p.name, phase, path)
+	logf("%s: profile %s", p.name, path)
+	return nil
 }

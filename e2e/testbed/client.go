@@ -189,22 +189,31 @@ func (tb *Testbed) HTTPClient(ns string, timeout time.Duration) *http.Client {
 	}
 }
 
+// httpTimeout bounds an HTTPGet or HTTPPost.
+const httpTimeout = 5 * time.Second
+
 // HTTPGet GETs url from inside namespace ns and returns the status code and body.
 func (tb *Testbed) HTTPGet(ns, url string) (int, []byte, error) {
-	return tb.httpDo(ns, http.MethodGet, url)
+	return tb.httpDo(ns, http.MethodGet, url, httpTimeout)
+}
+
+// HTTPGetWithin is HTTPGet for an answer that takes longer than HTTPGet
+// waits (a CPU profile over some seconds).
+func (tb *Testbed) HTTPGetWithin(ns, url string, timeout time.Duration) (int, []byte, error) {
+	return tb.httpDo(ns, http.MethodGet, url, timeout)
 }
 
 // HTTPPost POSTs an empty body to url from inside namespace ns.
 func (tb *Testbed) HTTPPost(ns, url string) (int, []byte, error) {
-	return tb.httpDo(ns, http.MethodPost, url)
+	return tb.httpDo(ns, http.MethodPost, url, httpTimeout)
 }
 
-func (tb *Testbed) httpDo(ns, method, url string) (int, []byte, error) {
+func (tb *Testbed) httpDo(ns, method, url string, timeout time.Duration) (int, []byte, error) {
 	req, err := http.NewRequest(method, url, nil)
 	if err != nil {
 		return 0, nil, err
 	}
-	resp, err := tb.HTTPClient(ns, 5*time.Second).Do(req)
+	resp, err := tb.HTTPClient(ns, timeout).Do(req)
 	if err != nil {
 		return 0, nil, fmt.Errorf("%s %s from %s: %w", method, url, ns, err)
 	}

@@ -41,6 +41,18 @@ func parseMetrics(text string) map[string]float64 {
 	return out
 }
 
+// Sum adds up the samples in m (as ScrapeMetrics keys them) of metric name
+// whose labels include every pair of labels.
+func Sum(m map[string]float64, name string, labels map[string]string) float64 {
+	sum := 0.0
+	for key, v := range m {
+		if SampleOf(key, name, labels) {
+			sum += v
+		}
+	}
+	return sum
+}
+
 // SampleOf says whether key (a sample as ScrapeMetrics keys it) is one of
 // metric name whose labels include every pair of labels.
 func SampleOf(key, name string, labels map[string]string) bool {

@@ -2,7 +2,7 @@ package testbed
 
 import "testing"
 
-func TestSampleOf(t *testing.T) {
+func TestSum(t *testing.T) {
 	m := parseMetrics(`# HELP x_total A counter.
 # TYPE x_total counter
 x_total 3
@@ -11,15 +11,6 @@ y_total{ip_family="IPv4",table="nat"} 5
 y_total{ip_family="IPv6",table="nat"} 7
 y_total{ip_family="IPv4",table="filter",note="a b"} 11
 `)
-	sum := func(name string, labels map[string]string) float64 {
-		s := 0.0
-		for k, v := range m {
-			if SampleOf(k, name, labels) {
-				s += v
-			}
-		}
-		return s
-	}
 	for _, c := range []struct {
 		name   string
 		labels map[string]string
@@ -34,7 +25,7 @@ y_total{ip_family="IPv4",table="filter",note="a b"} 11
 		{"y_total", map[string]string{"table": "mangle"}, 0},
 		{"y_total", map[string]string{"note": "a b"}, 11},
 	} {
-		if got := sum(c.name, c.labels); got != c.want {
+		if got := Sum(m, c.name, c.labels); got != c.want {
 			t.Errorf("%s%v: %v, want %v", c.name, c.labels, got, c.want)
 		}
 	}
