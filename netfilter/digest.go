@@ -100,44 +100,6 @@ func netlinkUnusable(err error) bool {
 	return false
 }
 
-// nf_tables netlink, from the kernel's uapi linux/netfilter/nf_tables.h and
-// nfnetlink.h (golang.org/x/sys/unix has them too, but is not a direct dependency).
-const (
-	nfnlSubsysNFTables = 10 // NFNL_SUBSYS_NFTABLES
-	nfprotoIPv4        = 2  // NFPROTO_IPV4
-	nfprotoIPv6        = 10 // NFPROTO_IPV6
-
-	nftMsgNewTable = 0    // NFT_MSG_NEWTABLE
-	nftMsgDelTable = 2    // NFT_MSG_DELTABLE
-	nftMsgNewChain = 3    // NFT_MSG_NEWCHAIN: how the kernel answers GETCHAIN
-	nftMsgDelChain = 5    // NFT_MSG_DELCHAIN
-	nftMsgDelRule  = 8    // NFT_MSG_DELRULE
-	nftMsgGetChain = 4    // NFT_MSG_GETCHAIN
-	nftMsgNewRule  = 6    // NFT_MSG_NEWRULE: how the kernel answers GETRULE
-	nftMsgGetRule  = 7    // NFT_MSG_GETRULE
-	nftMsgNewGen   = 0x0f // NFT_MSG_NEWGEN
-	nftMsgGetGen   = 0x10 // NFT_MSG_GETGEN
-
-	nftaTableName  = 1 // NFTA_TABLE_NAME
-	nftaChainTable = 1 // NFTA_CHAIN_TABLE
-	nftaChainName  = 3 // NFTA_CHAIN_NAME
-
-	nftaRuleTable       = 1 // NFTA_RULE_TABLE
-	nftaRuleChain       = 2 // NFTA_RULE_CHAIN
-	nftaRuleHandle      = 3 // NFTA_RULE_HANDLE
-	nftaRuleExpressions = 4 // NFTA_RULE_EXPRESSIONS
-	nftaRuleCompat      = 5 // NFTA_RULE_COMPAT
-	nftaRuleUserdata    = 7 // NFTA_RULE_USERDATA
-
-	nftaListElem = 1 // NFTA_LIST_ELEM
-	nftaExprName = 1 // NFTA_EXPR_NAME
-	nftaExprData = 2 // NFTA_EXPR_DATA
-
-	nftaGenID = 1 // NFTA_GEN_ID
-
-	nfgenmsgLen = 4 // struct nfgenmsg: family, version, res_id (big-endian)
-)
-
 // nfproto is the family's nf_tables protocol family.
 func nfproto(f bus.Family) uint8 {
 	if f == bus.IPv6 {

@@ -22,11 +22,6 @@ import (
 // The rules stay iptables rules: iptables-save prints them as if
 // iptables-restore had written them.
 
-const (
-	nfnlMsgBatchBegin = 0x10 // NFNL_MSG_BATCH_BEGIN
-	nfnlMsgBatchEnd   = 0x11 // NFNL_MSG_BATCH_END
-)
-
 // nftSection is one "*table ... COMMIT" section as nf_tables messages, ready
 // to go between a batch's begin and end, numbered from firstSeq on.
 type nftSection struct {
@@ -273,15 +268,7 @@ func (w *nftReader) batch(s *nftSection) error {
 	if err := w.setSendBuffer(len(buf.b)); err != nil {
 		return err
 	}
-	var sendErr error
-	err := w.raw.Write(func(fd uintptr) bool {
-		sendErr = syscall.Sendto(int(fd), buf.b, 0, &syscall.SockaddrNetlink{Family: syscall.AF_NETLINK})
-		return sendErr != syscall.EAGAIN
-	})
-	if err == nil {
-		err = sendErr
-	}
-	if err != nil {
+	if err := w.send(buf.b); err != nil {
 		return fmt.Errorf("nf_tables %s: send a batch of %d messages: %w", s.table, len(s.whats), err)
 	}
 	var refused error
