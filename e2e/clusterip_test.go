@@ -304,15 +304,15 @@ func (e *env) repairsFlushedNAT(svc *corev1.Service, addr, client string, within
 	t.Helper()
 	for _, round := range []struct {
 		name string
-		cmds [][]string
+		cmd  []string
 	}{
-		{"flush nat rules", [][]string{{"iptables", "-t", "nat", "-F"}}},
-		{"flush and delete nat chains", [][]string{{"iptables", "-t", "nat", "-F"}, {"iptables", "-t", "nat", "-X"}}},
+		{"flush nat rules", []string{"iptables", "-t", "nat", "-F"}},
+		// In one transaction: kpipe repairs fast enough to jump to its chains
+		// again between an "iptables -F" and an "iptables -X" (then EBUSY).
+		{"flush and delete nat chains", []string{"sh", "-c", `printf '*nat\nCOMMIT\n' | iptables-restore`}},
 	} {
-		for _, c := range round.cmds {
-			if _, err := tb.Exec(tb.NodeNS, c...); err != nil {
-				t.Fatalf("%s: %v", round.name, err)
-			}
+		if _, err := tb.Exec(tb.NodeNS, round.cmd...); err != nil {
+			t.Fatalf("%s: %v", round.name, err)
 		}
 		start := time.Now()
 		_, err := tb.DialTCP(client, addr, 200*time.Millisecond)
