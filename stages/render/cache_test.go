@@ -6,6 +6,7 @@ import (
 	"maps"
 	"math/rand/v2"
 	"net/netip"
+	"slices"
 	"testing"
 
 	"github.com/kpipe/kpipe/bus"
@@ -30,6 +31,16 @@ func TestRendererCacheMatchesFreshRender(t *testing.T) {
 		if !maps.Equal(chainHashes(got), chainHashes(want)) {
 			t.Fatalf("step %d: chain hashes differ", step)
 		}
+		if !maps.EqualFunc(got.UDP, want.UDP, slices.Equal) || !maps.Equal(got.HealthChecks.Services, want.HealthChecks.Services) ||
+			!maps.Equal(got.NoLocalEndpoints, want.NoLocalEndpoints) {
+			t.Fatalf("step %d: cached render's UDP front-ends, health checks or counts differ from a fresh one:\n%v %v %v\n%v %v %v", step,
+				got.UDP, got.HealthChecks.Services, got.NoLocalEndpoints, want.UDP, want.HealthChecks.Services, want.NoLocalEndpoints)
+		}
+		for i := range got.Tables {
+			if got.Tables[i].RuleCount != want.Tables[i].RuleCount {
+				t.Fatalf("step %d: %s rule count %d, fresh %d", step, got.Tables[i].Table, got.Tables[i].RuleCount, want.Tables[i].RuleCount)
+			}
+		}
 	}
 }
 
@@ -39,7 +50,7 @@ func mutate(rnd *rand.Rand, st bus.State, step int) bus.State {
 	out.Services = maps.Clone(st.Services)
 	out.Slices = maps.Clone(st.Slices)
 	key := bus.ServiceKey{Namespace: fmt.Sprintf("ns%d", rnd.IntN(40)%100), Name: fmt.Sprintf("svc%d", rnd.IntN(40))}
-	switch rnd.IntN(6) {
+	switch rnd.IntN(9) {
 	case 0: // delete the service
 		delete(out.Services, key)
 	case 1: // (re)create it with other features
@@ -65,6 +76,13 @@ func mutate(rnd *rand.Rand, st bus.State, step int) bus.State {
 		n := *st.Node
 		n.Zone = fmt.Sprintf("zone-%d", rnd.IntN(2))
 		out.Node = &n
+	case 6: // the host's addresses changed (NodePorts answer on them)
+		out.LocalAddrs = []netip.Addr{netip.AddrFrom4([4]byte{192, 168, 0, byte(1 + rnd.IntN(3))})}
+	case 7, 8: // a UDP front-end two services share (an external IP), or a NodePort service in a new bucket
+		s := &bus.Service{ServiceKey: key, ClusterIPs: []netip.Addr{netip.AddrFrom4([4]byte{10, 97, byte(step), 1})},
+			ExternalIPs: []netip.Addr{netip.AddrFrom4([4]byte{192, 0, 2, byte(rnd.IntN(2))})},
+			Ports:       []bus.Port{{Name: "dns", Protocol: bus.UDP, Port: 53, NodePort: int32(31000 + step)}}}
+		out.Services[key] = s
 	}
 	return out
 }

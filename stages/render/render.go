@@ -7,7 +7,6 @@ package render
 import (
 	"net/netip"
 	"slices"
-	"strings"
 
 	"github.com/kpipe/kpipe/bus"
 	nf "github.com/kpipe/kpipe/netfilter"
@@ -59,8 +58,7 @@ func (c Config) LocalhostNodePortsActive() bool {
 	return c.Family == bus.IPv4 && c.LocalhostNodePorts
 }
 
-// Render computes the plan for snap. Chains whose rules are unchanged since
-// snap.Committed are left out unless the snapshot asks for a full sync.
+// Render computes the plan for snap: every chain of the family's ruleset.
 func Render(cfg Config, snap *bus.Snapshot) *bus.Plan {
 	return NewRenderer(cfg).Render(snap)
 }
@@ -68,11 +66,24 @@ func Render(cfg Config, snap *bus.Snapshot) *bus.Plan {
 // Renderer renders the snapshots of one family, keeping each service's rules from
 // one snapshot to the next: a service whose Service and EndpointSlices are the same
 // values as before (coalesce replaces a value when it changes) is not rendered
-// again. Its plans are exactly Render's.
+// again, and the plan is assembled from what changed (see assembly). Its plans
+// are exactly Render's.
 type Renderer struct {
 	cfg   Config
 	node  *bus.Node
 	cache map[bus.ServiceKey]*cachedService
+	// keys are the cache's keys, sorted, and services its values in that order.
+	keys     []bus.ServiceKey
+	services []*cachedService
+	// nat and filter are the last plan's tables; buckets counts the services
+	// in each leaf dispatch bucket.
+	nat, filter *assembly
+	buckets     map[netip.Prefix]int
+	rebucket    bool // the set of buckets changed: the dispatch chains follow
+	maps        planMaps
+	// natChains and filterChains count the cached services' parts: about the
+	// plan's chains, to size its lists.
+	natChains, filterChains int
 }
 
 // cachedService is one service rendered on its own.
@@ -84,42 +95,129 @@ type cachedService struct {
 
 // NewRenderer makes a renderer with an empty cache.
 func NewRenderer(cfg Config) *Renderer {
-	return &Renderer{cfg: cfg, cache: map[bus.ServiceKey]*cachedService{}}
+	rr := &Renderer{cfg: cfg}
+	rr.reset()
+	return rr
 }
+
+func (rr *Renderer) reset() {
+	rr.cache, rr.keys, rr.services = map[bus.ServiceKey]*cachedService{}, nil, nil
+	rr.nat, rr.filter = newAssembly(), newAssembly()
+	rr.buckets, rr.rebucket = map[netip.Prefix]int{}, true
+	rr.maps, rr.natChains, rr.filterChains = newPlanMaps(), 0, 0
+}
+
+func natParts(c *cachedService) []part    { return c.r.nat }
+func filterParts(c *cachedService) []part { return c.r.filter }
 
 // Render computes the plan for snap.
 func (rr *Renderer) Render(snap *bus.Snapshot) *bus.Plan {
 	if !sameNode(snap.State.Node, rr.node) {
 		// Zone, pod CIDRs and node IPs shape every service's rules.
-		rr.cache = map[bus.ServiceKey]*cachedService{}
+		rr.reset()
 	}
 	rr.node = snap.State.Node
-	r := newRenderer(rr.cfg, snap)
-	r.writeFixedChains()
-	seen := make(map[bus.ServiceKey]bool, len(snap.State.Services))
-	for _, key := range sortedServiceKeys(snap.State.Services) {
-		seen[key] = true
-		svc := snap.State.Services[key]
-		slices := sliceList(snap.State.Slices[key])
-		c := rr.cache[key]
-		if c == nil || c.svc != svc || !samePointers(c.slices, slices) {
-			one := newRenderer(rr.cfg, snap)
-			for _, port := range svc.Ports {
-				one.writeServicePort(svc, port)
+	// The cached services first, in order (a map lookup each, not an
+	// iteration of the snapshot's map), then the snapshot's new ones.
+	var stale []bus.ServiceKey
+	for i, c := range rr.services {
+		key := rr.keys[i]
+		if svc := snap.State.Services[key]; svc != c.svc || !sameSlices(c.slices, snap.State.Slices[key]) {
+			stale = append(stale, key)
+		}
+	}
+	for _, key := range stale {
+		rr.replace(key, rr.cache[key], rr.rendered(snap, key))
+	}
+	if len(rr.cache) < len(snap.State.Services) {
+		for key := range snap.State.Services {
+			if rr.cache[key] == nil {
+				rr.replace(key, nil, rr.rendered(snap, key))
 			}
-			c = &cachedService{svc: svc, slices: slices, r: one.compact()}
-			rr.cache[key] = c
-		}
-		r.merge(c.r)
-	}
-	for key := range rr.cache {
-		if !seen[key] {
-			delete(rr.cache, key)
 		}
 	}
-	r.writeBuckets()
-	r.writeNodePortsTail()
-	return r.plan()
+
+	// The rules that do not come from one service: fixed, dispatch, tail.
+	fixed := newRenderer(rr.cfg, snap)
+	fixed.writeFixedChains()
+	rr.nat.setRules(fixed.nat, &rr.nat.fixed, func(c *sharedChain) (*chainPart, *bool) { return &c.head, &c.headed })
+	rr.filter.setRules(fixed.filter, &rr.filter.fixed, func(c *sharedChain) (*chainPart, *bool) { return &c.head, &c.headed })
+	if rr.rebucket {
+		d := newRenderer(rr.cfg, snap)
+		for p := range rr.buckets {
+			d.buckets[p] = true
+		}
+		d.writeBuckets()
+		rr.nat.setRules(d.nat, &rr.nat.dispatch, func(c *sharedChain) (*chainPart, *bool) { return &c.dispatch, &c.dispatched })
+		rr.rebucket = false
+	}
+	tail := newRenderer(rr.cfg, snap)
+	tail.writeNodePortsTail()
+	rr.nat.setRules(tail.nat, &rr.nat.tail, func(c *sharedChain) (*chainPart, *bool) { return &c.tail, &c.tailed })
+	rr.nat.rebuild(rr.cache, natParts)
+	rr.filter.rebuild(rr.cache, filterParts)
+
+	p := &bus.Plan{
+		Family: rr.cfg.Family, Generation: snap.Generation, QueuedAt: snap.QueuedAt, Full: snap.Full, Refresh: snap.Refresh,
+		HealthChecks: bus.HealthChecks{Family: rr.cfg.Family, Addrs: fixed.healthCheckAddrs()},
+	}
+	rr.maps.fill(p, rr.services, rr.keys)
+	p.Tables = []bus.TablePayload{
+		rr.nat.payload(nf.TableNAT, rr.services, natParts, rr.natChains),
+		rr.filter.payload(nf.TableFilter, rr.services, filterParts, rr.filterChains),
+	}
+	return p
+}
+
+// rendered is service key of snap rendered on its own (nil: it has none).
+func (rr *Renderer) rendered(snap *bus.Snapshot, key bus.ServiceKey) *cachedService {
+	svc := snap.State.Services[key]
+	if svc == nil {
+		return nil
+	}
+	one := newRenderer(rr.cfg, snap)
+	for _, port := range svc.Ports {
+		one.writeServicePort(svc, port)
+	}
+	return &cachedService{svc: svc, slices: sliceList(snap.State.Slices[key]), r: one.compact()}
+}
+
+// replace puts new (nil: none) in the cache in place of old (nil: none) for
+// key, and tells the assemblies which shared chains change.
+func (rr *Renderer) replace(key bus.ServiceKey, old, new *cachedService) {
+	if old != nil {
+		rr.nat.contribute(key, old.r.nat, false)
+		rr.filter.contribute(key, old.r.filter, false)
+	}
+	if new != nil {
+		rr.nat.contribute(key, new.r.nat, true)
+		rr.filter.contribute(key, new.r.filter, true)
+	}
+	rr.maps.replace(key, old, new)
+	if old != nil {
+		rr.natChains -= len(old.r.nat)
+		rr.filterChains -= len(old.r.filter)
+	}
+	if new != nil {
+		rr.natChains += len(new.r.nat)
+		rr.filterChains += len(new.r.filter)
+	}
+	if bucketsChanged(rr.buckets, old, new) {
+		rr.rebucket = true
+	}
+	i, found := slices.BinarySearchFunc(rr.keys, key, compareKeys)
+	switch {
+	case new == nil:
+		delete(rr.cache, key)
+		if found {
+			rr.keys, rr.services = slices.Delete(rr.keys, i, i+1), slices.Delete(rr.services, i, i+1)
+		}
+	case found:
+		rr.cache[key], rr.services[i] = new, new
+	default:
+		rr.cache[key] = new
+		rr.keys, rr.services = slices.Insert(rr.keys, i, key), slices.Insert(rr.services, i, new)
+	}
 }
 
 // sameNode says whether two Node values shape service rules alike: watch sends
@@ -139,12 +237,14 @@ func sliceList(m map[string]*bus.EndpointSlice) []*bus.EndpointSlice {
 	return out
 }
 
-func samePointers(a, b []*bus.EndpointSlice) bool {
-	if len(a) != len(b) {
+// sameSlices says whether m holds exactly the slices of list (by value
+// identity), without sorting m.
+func sameSlices(list []*bus.EndpointSlice, m map[string]*bus.EndpointSlice) bool {
+	if len(list) != len(m) {
 		return false
 	}
-	for i := range a {
-		if a[i] != b[i] {
+	for _, sl := range list {
+		if m[sl.Name] != sl {
 			return false
 		}
 	}
@@ -166,8 +266,9 @@ type rendering struct {
 // chain (with its hash), or the service's rules in a shared one.
 type part struct {
 	name, rules string
-	count       int
 	hash        uint64
+	count       int32
+	rank        chainRank
 }
 
 type udpFrontEnd struct {
@@ -192,76 +293,6 @@ func (r *renderer) compact() rendering {
 	}
 	for p := range r.buckets {
 		out.buckets = append(out.buckets, p)
-	}
-	return out
-}
-
-// merge adds one service's rendering to r.
-func (r *renderer) merge(one rendering) {
-	r.nat.merge(one.nat)
-	r.filter.merge(one.filter)
-	for _, u := range one.udp {
-		r.udp[u.front] = u.to
-	}
-	for _, c := range one.checks {
-		r.checks[c.key] = c.hc
-	}
-	r.noLocal["internal"] += one.noLocal[0]
-	r.noLocal["external"] += one.noLocal[1]
-	for _, p := range one.buckets {
-		r.buckets[p] = true
-	}
-}
-
-func sortedServiceKeys(m map[bus.ServiceKey]*bus.Service) []bus.ServiceKey {
-	keys := make([]bus.ServiceKey, 0, len(m))
-	for k := range m {
-		keys = append(keys, k)
-	}
-	slices.SortFunc(keys, func(a, b bus.ServiceKey) int {
-		if c := strings.Compare(a.Namespace, b.Namespace); c != 0 {
-			return c
-		}
-		return strings.Compare(a.Name, b.Name)
-	})
-	return keys
-}
-
-// plan lists every chain with its hash, in dependency order (nf.Rank): a chain
-// after the chains it jumps to, so commit can write them in that order.
-func (r *renderer) plan() *bus.Plan {
-	p := &bus.Plan{
-		Family: r.cfg.Family, Generation: r.snap.Generation, QueuedAt: r.snap.QueuedAt,
-		Full: r.snap.Full, Refresh: r.snap.Refresh, UDP: r.udp,
-		HealthChecks:     bus.HealthChecks{Family: r.cfg.Family, Services: r.checks, Addrs: r.healthCheckAddrs()},
-		NoLocalEndpoints: r.noLocal,
-	}
-	for _, t := range []*table{r.nat, r.filter} {
-		tp := bus.TablePayload{Table: t.name, Chains: make([]bus.Chain, 0, len(t.order))}
-		for _, name := range t.order {
-			c := t.chains[name]
-			tp.RuleCount += c.count
-			tp.Chains = append(tp.Chains, bus.Chain{Name: name, Rules: c.String(), Hash: c.sum()})
-		}
-		tp.Chains = byRank(tp.Chains)
-		p.Tables = append(p.Tables, tp)
-	}
-	return p
-}
-
-// byRank orders chains by nf.Rank, keeping the order of equal ranks, with each
-// chain's rank worked out once (sorting 24,000 chains compared names' kinds
-// hundreds of thousands of times: 15% of a render at 10,000 services).
-func byRank(chains []bus.Chain) []bus.Chain {
-	ranks := make([]int, len(chains))
-	order := make([]int, len(chains))
-	for i, c := range chains {
-		ranks[i], order[i] = nf.Rank(c.Name), i
-	}
-	slices.SortStableFunc(order, func(a, b int) int { return ranks[a] - ranks[b] })
-	out := make([]bus.Chain, len(chains))
-	for i, j := range order {
-		out[i] = chains[j]
 	}
 	return out
 }

@@ -1,6 +1,7 @@
 package render
 
 import (
+	"fmt"
 	"net/netip"
 	"slices"
 	"strings"
@@ -209,6 +210,32 @@ func TestUDPFrontEnds(t *testing.T) {
 	}
 	if len(p.UDP) != 3 {
 		t.Errorf("UDP front-ends = %v, want 3", p.UDP)
+	}
+}
+
+// TestUDPFrontEndSharedByTwoServices: two services with the same external IP
+// and UDP port: the front-end goes to the later one's endpoints (in key order),
+// and back to the other's once the later one goes, in a Renderer that kept the
+// first plan as in a fresh one.
+func TestUDPFrontEndSharedByTwoServices(t *testing.T) {
+	var states []bus.State
+	var objs []any
+	for i, name := range []string{"a", "b"} {
+		s := svc("ns", name, fmt.Sprintf("10.96.0.%d", 10+i), bus.Port{Name: "dns", Protocol: bus.UDP, Port: 53})
+		s.ExternalIPs = []netip.Addr{ip("203.0.113.1")}
+		objs = append(objs, s, slice(s, name+"-1", []bus.EndpointPort{eport("dns", bus.UDP, 5353)}, ep(fmt.Sprintf("10.244.1.%d", 5+i), testNode)))
+	}
+	states = append(states, state(node(), objs...), state(node(), objs[:2]...))
+	front := netip.MustParseAddrPort("203.0.113.1:53")
+	rr := NewRenderer(baseConfig())
+	for i, want := range []string{"10.244.1.6:5353", "10.244.1.5:5353"} {
+		got := rr.Render(&bus.Snapshot{Generation: uint64(i), State: states[i]}).UDP[front]
+		if fresh := Render(baseConfig(), full(states[i])).UDP[front]; !slices.Equal(got, fresh) {
+			t.Errorf("plan %d: %s -> %v, a fresh render's %v", i, front, got, fresh)
+		}
+		if !slices.Equal(got, []netip.AddrPort{netip.MustParseAddrPort(want)}) {
+			t.Errorf("plan %d: %s -> %v, want %s", i, front, got, want)
+		}
 	}
 }
 

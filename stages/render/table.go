@@ -2,8 +2,6 @@ package render
 
 import (
 	"strings"
-
-	nf "github.com/kpipe/kpipe/netfilter"
 )
 
 // table collects the chains of one table in the order they are first written.
@@ -13,23 +11,16 @@ type table struct {
 	chains map[string]*chainText
 }
 
-// chainText is one chain's rules: built here, or adopted whole (with its hash)
-// from a cached service.
+// chainText is one chain's rules.
 type chainText struct {
-	b       strings.Builder
-	adopted string // the rules when adopted whole; b is empty then
-	count   int
-	hash    uint64
-	hashed  bool
+	b      strings.Builder
+	count  int
+	hash   uint64
+	hashed bool
 }
 
 // String is the chain's rules.
-func (c *chainText) String() string {
-	if c.adopted != "" {
-		return c.adopted
-	}
-	return c.b.String()
-}
+func (c *chainText) String() string { return c.b.String() }
 
 func newTable(name string) *table {
 	return &table{name: name, chains: map[string]*chainText{}}
@@ -88,28 +79,11 @@ func (t *table) parts() []part {
 	out := make([]part, 0, len(t.order))
 	for _, name := range t.order {
 		c := t.chains[name]
-		p := part{name: name, rules: strings.Clone(c.String()), count: c.count}
-		if nf.KindOf(name).PerService() {
+		p := part{name: name, rules: strings.Clone(c.String()), count: int32(c.count), rank: rankOf(name)}
+		if p.rank.perService() {
 			p.hash = c.sum()
 		}
 		out = append(out, p)
 	}
 	return out
-}
-
-// merge appends one service's chains: shared chains (top-level ones, buckets)
-// get its rules appended, per-service chains are taken over whole.
-func (t *table) merge(parts []part) {
-	for _, p := range parts {
-		if nf.KindOf(p.name).PerService() {
-			if _, dup := t.chains[p.name]; !dup {
-				t.order = append(t.order, p.name)
-			}
-			t.chains[p.name] = &chainText{adopted: p.rules, count: p.count, hash: p.hash, hashed: true}
-			continue
-		}
-		c := t.declare(p.name)
-		c.b.WriteString(p.rules)
-		c.count += p.count
-	}
 }

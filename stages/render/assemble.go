@@ -1,0 +1,353 @@
+package render
+
+import (
+	"cmp"
+	"maps"
+	"net/netip"
+	"slices"
+	"strings"
+
+	"github.com/kpipe/kpipe/bus"
+	nf "github.com/kpipe/kpipe/netfilter"
+)
+
+// assembly is one table of the last plan, kept between snapshots so that a
+// snapshot that changes a few services rebuilds only the chains they touch.
+//
+// A plan lists its chains by rank (nf.Rank), equal ranks in the order they were
+// first written: the fixed chains, then each service's in key order, then the
+// dispatch chains. Per-service chains (ranks 1 to 4) are taken whole from the
+// cache at each plan. A shared chain (every other rank) is its fixed rules, then
+// every contributing service's rules in key order, then its dispatch and tail
+// rules; it is rebuilt only when one of those changed.
+type assembly struct {
+	shared map[string]*sharedChain
+	dirty  map[*sharedChain]bool
+	// order is the shared chains in plan order, worked out again only when a
+	// chain comes or goes or another service becomes the first to write one.
+	order      []*sharedChain
+	orderDirty bool
+	// The chains the fixed, dispatch and tail rules declare, in the order
+	// they declare them.
+	fixed, dispatch, tail []string
+	// byRank is payload's room for the per-service chains of ranks 1 to 4.
+	byRank [4][]bus.Chain
+}
+
+// sharedChain is a chain many services write into (a top-level or dispatch chain).
+type sharedChain struct {
+	name string
+	rank int
+	// head: the fixed rules; dispatch and tail: the rules after the services'.
+	head, dispatch, tail       chainPart
+	headed, dispatched, tailed bool // declared by each
+	// by maps each service writing into the chain to its part's index among
+	// that service's parts of the table.
+	by map[bus.ServiceKey]int
+	// first is the first of them in key order, which declared the chain first
+	// when no fixed rule did; firstAt its part's index.
+	first   bus.ServiceKey
+	firstAt int
+	out     bus.Chain
+	count   int
+}
+
+// chainPart is some rules of a chain, as a table wrote them.
+type chainPart struct {
+	rules string
+	count int
+}
+
+func newAssembly() *assembly {
+	return &assembly{shared: map[string]*sharedChain{}, dirty: map[*sharedChain]bool{}, orderDirty: true}
+}
+
+func (a *assembly) chain(name string) *sharedChain {
+	c := a.shared[name]
+	if c == nil {
+		c = &sharedChain{name: name, rank: nf.Rank(name), by: map[bus.ServiceKey]int{}}
+		a.shared[name] = c
+		a.orderDirty = true
+	}
+	return c
+}
+
+// contribute records that service key writes (or, with parts nil, no longer
+// writes) into the shared chains of parts.
+func (a *assembly) contribute(key bus.ServiceKey, parts []part, add bool) {
+	for i, p := range parts {
+		if p.rank.perService() {
+			continue
+		}
+		c := a.chain(p.name)
+		if add {
+			c.by[key] = i
+		} else {
+			delete(c.by, key)
+		}
+		a.dirty[c] = true
+	}
+}
+
+// setRules records the rules t writes into each chain it declares, as the
+// head, dispatch or tail of the shared chains (which of them set and on say),
+// and marks what changed.
+func (a *assembly) setRules(t *table, was *[]string, get func(*sharedChain) (*chainPart, *bool)) {
+	if !slices.Equal(t.order, *was) {
+		for _, name := range *was {
+			c := a.chain(name)
+			p, on := get(c)
+			*p, *on = chainPart{}, false
+			a.dirty[c] = true
+		}
+		*was = slices.Clone(t.order)
+		a.orderDirty = true
+	}
+	for _, name := range t.order {
+		c := a.chain(name)
+		ct := t.chains[name]
+		p, on := get(c)
+		if now := (chainPart{ct.String(), ct.count}); !*on || *p != now {
+			*p, *on = now, true
+			a.dirty[c] = true
+		}
+	}
+}
+
+// rebuild works out the text of every dirty shared chain.
+func (a *assembly) rebuild(cache map[bus.ServiceKey]*cachedService, partsOf func(*cachedService) []part) {
+	var keys []bus.ServiceKey
+	for c := range a.dirty {
+		keys = keys[:0]
+		for k := range c.by {
+			keys = append(keys, k)
+		}
+		slices.SortFunc(keys, compareKeys)
+		if !c.headed && !c.dispatched && !c.tailed && len(keys) == 0 {
+			delete(a.shared, c.name)
+			a.orderDirty = true
+			continue
+		}
+		var b strings.Builder
+		b.WriteString(c.head.rules)
+		count := c.head.count
+		for _, k := range keys {
+			p := partsOf(cache[k])[c.by[k]]
+			b.WriteString(p.rules)
+			count += int(p.count)
+		}
+		b.WriteString(c.dispatch.rules)
+		b.WriteString(c.tail.rules)
+		count += c.dispatch.count + c.tail.count
+		text := b.String()
+		c.out, c.count = bus.Chain{Name: c.name, Rules: text, Hash: fnv64a(text)}, count
+		if len(keys) > 0 && (keys[0] != c.first || c.by[keys[0]] != c.firstAt) {
+			c.first, c.firstAt = keys[0], c.by[keys[0]]
+			a.orderDirty = true
+		}
+	}
+	clear(a.dirty)
+	if a.orderDirty {
+		a.sortShared()
+		a.orderDirty = false
+	}
+}
+
+// sortShared puts the shared chains in plan order: by rank, then in the order
+// a single pass would have declared them (fixed rules, services in key order,
+// dispatch and tail rules).
+func (a *assembly) sortShared() {
+	a.order = a.order[:0]
+	placed := make(map[*sharedChain]bool, len(a.shared))
+	place := func(c *sharedChain) {
+		if c != nil && !placed[c] {
+			placed[c] = true
+			a.order = append(a.order, c)
+		}
+	}
+	for _, name := range a.fixed {
+		place(a.shared[name])
+	}
+	var byService []*sharedChain
+	for _, c := range a.shared {
+		if !c.headed && len(c.by) > 0 {
+			byService = append(byService, c)
+		}
+	}
+	slices.SortFunc(byService, func(x, y *sharedChain) int {
+		return cmp.Or(compareKeys(x.first, y.first), x.firstAt-y.firstAt)
+	})
+	for _, c := range byService {
+		place(c)
+	}
+	for _, name := range a.dispatch {
+		place(a.shared[name])
+	}
+	for _, name := range a.tail {
+		place(a.shared[name])
+	}
+	slices.SortStableFunc(a.order, func(x, y *sharedChain) int { return x.rank - y.rank })
+}
+
+func compareKeys(a, b bus.ServiceKey) int {
+	return cmp.Or(strings.Compare(a.Namespace, b.Namespace), strings.Compare(a.Name, b.Name))
+}
+
+// chainRank is a chain's nf.Rank, small enough to keep with each part.
+type chainRank uint8
+
+// perService says whether chains of this rank belong to one service port
+// (endpoint, service, external and firewall chains: nf.Kind.PerService).
+func (r chainRank) perService() bool { return r >= 1 && r <= 4 }
+
+// rankOf is chain's rank, capped (every shared rank above 4 stays above 4).
+func rankOf(chain string) chainRank { return chainRank(min(nf.Rank(chain), 255)) }
+
+// payload lists the table's chains in plan order: the shared chains ranked
+// below the per-service ones, every service's chains rank by rank in key
+// order (services: the cache's, in key order), then the other shared chains. It returns the rules
+// the table holds too.
+func (a *assembly) payload(name string, services []*cachedService, partsOf func(*cachedService) []part, size int) bus.TablePayload {
+	tp := bus.TablePayload{Table: name, Chains: make([]bus.Chain, 0, size)}
+	add := func(c *sharedChain) {
+		tp.Chains = append(tp.Chains, c.out)
+		tp.RuleCount += c.count
+	}
+	i := 0
+	for ; i < len(a.order) && a.order[i].rank < 1; i++ {
+		add(a.order[i])
+	}
+	// One pass over the services (not one a rank): into a list a rank, then
+	// appended in rank order.
+	for r := range a.byRank {
+		a.byRank[r] = a.byRank[r][:0]
+	}
+	for _, c := range services {
+		for _, p := range partsOf(c) {
+			if p.rank.perService() {
+				a.byRank[p.rank-1] = append(a.byRank[p.rank-1], bus.Chain{Name: p.name, Rules: p.rules, Hash: p.hash})
+				tp.RuleCount += int(p.count)
+			}
+		}
+	}
+	for _, chains := range a.byRank {
+		tp.Chains = append(tp.Chains, chains...)
+	}
+	for ; i < len(a.order); i++ {
+		add(a.order[i])
+	}
+	return tp
+}
+
+// bucketsChanged counts the services in each leaf bucket, from old's buckets
+// to new's, and says whether a bucket came or went.
+func bucketsChanged(count map[netip.Prefix]int, old, new *cachedService) bool {
+	changed := false
+	if old != nil {
+		for _, p := range old.r.buckets {
+			if count[p]--; count[p] == 0 {
+				delete(count, p)
+				changed = true
+			}
+		}
+	}
+	if new != nil {
+		for _, p := range new.r.buckets {
+			if count[p]++; count[p] == 1 {
+				changed = true
+			}
+		}
+	}
+	return changed
+}
+
+// planMaps are the plan's UDP front-ends, health checks and counts of
+// services without local endpoints, kept up to date as services change. A
+// plan's maps are never written once it is sent, so a plan shares them with
+// the last plan when no service changed them.
+type planMaps struct {
+	udp     map[netip.AddrPort]udpSlot
+	checks  map[bus.ServiceKey]bus.HealthCheck
+	noLocal [2]int
+	// rescan: a front-end two services had lost the one that set it; the
+	// UDP map is worked out again from every service.
+	rescan bool
+	// out are the maps the last plan got, nil when they changed since.
+	outUDP    map[netip.AddrPort][]netip.AddrPort
+	outChecks map[bus.ServiceKey]bus.HealthCheck
+}
+
+// udpSlot is one UDP front-end: its endpoints as set by the last service in
+// key order that has it, and how many services have it.
+type udpSlot struct {
+	to     []netip.AddrPort
+	owner  bus.ServiceKey
+	owners int
+}
+
+func newPlanMaps() planMaps {
+	return planMaps{udp: map[netip.AddrPort]udpSlot{}, checks: map[bus.ServiceKey]bus.HealthCheck{}}
+}
+
+// replace takes old's entries (nil: none) out and new's (nil: none) in, for
+// service key.
+func (m *planMaps) replace(key bus.ServiceKey, old, new *cachedService) {
+	if old != nil {
+		for _, u := range old.r.udp {
+			s := m.udp[u.front]
+			if s.owners--; s.owners == 0 {
+				delete(m.udp, u.front)
+			} else {
+				m.rescan = m.rescan || s.owner == key
+				m.udp[u.front] = s
+			}
+		}
+		for _, c := range old.r.checks {
+			delete(m.checks, c.key)
+		}
+		m.noLocal[0] -= old.r.noLocal[0]
+		m.noLocal[1] -= old.r.noLocal[1]
+	}
+	if new != nil {
+		m.addUDP(key, new.r.udp)
+		for _, c := range new.r.checks {
+			m.checks[c.key] = c.hc
+		}
+		m.noLocal[0] += new.r.noLocal[0]
+		m.noLocal[1] += new.r.noLocal[1]
+	}
+	if old != nil && (len(old.r.udp) > 0 || len(old.r.checks) > 0) || new != nil && (len(new.r.udp) > 0 || len(new.r.checks) > 0) {
+		m.outUDP, m.outChecks = nil, nil
+	}
+}
+
+func (m *planMaps) addUDP(key bus.ServiceKey, fronts []udpFrontEnd) {
+	for _, u := range fronts {
+		s := m.udp[u.front]
+		if s.owners == 0 || compareKeys(key, s.owner) >= 0 {
+			s.to, s.owner = u.to, key
+		}
+		s.owners++
+		m.udp[u.front] = s
+	}
+}
+
+// fill sets the plan's maps; services are the cache's in key order.
+func (m *planMaps) fill(p *bus.Plan, services []*cachedService, keys []bus.ServiceKey) {
+	if m.rescan {
+		clear(m.udp)
+		for i, c := range services {
+			m.addUDP(keys[i], c.r.udp)
+		}
+		m.rescan, m.outUDP = false, nil
+	}
+	if m.outUDP == nil {
+		m.outUDP = make(map[netip.AddrPort][]netip.AddrPort, len(m.udp))
+		for front, s := range m.udp {
+			m.outUDP[front] = s.to
+		}
+		m.outChecks = maps.Clone(m.checks)
+	}
+	p.UDP, p.HealthChecks.Services = m.outUDP, m.outChecks
+	p.NoLocalEndpoints = map[string]int{"internal": m.noLocal[0], "external": m.noLocal[1]}
+}
