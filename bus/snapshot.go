@@ -57,6 +57,11 @@ type TablePayload struct {
 	// RuleCount is the number of rules the table holds once applied, for
 	// kubeproxy_sync_proxy_rules_iptables_total.
 	RuleCount int
+	// Dropped names chains the renderer's previous plan had and this one does
+	// not, none twice. It is a hint: commit deletes what its ledger has and
+	// the plan does not, and uses Dropped to find that without going through
+	// the whole ledger when the two account for every chain it has.
+	Dropped []string
 }
 
 // Chain is one chain's complete rules, as "-A CHAIN ...\n" lines, and their hash.

@@ -315,11 +315,8 @@ func (s *Stage) countFailure(full bool) {
 // changes works out what to write and delete in one table.
 func (s *Stage) changes(ctx context.Context, tp bus.TablePayload, full, refresh bool) (tableWrites, error) {
 	tw := tableWrites{table: tp.Table}
-	wanted := make(map[string]bool, len(tp.Chains))
-	for _, c := range tp.Chains {
-		wanted[c.Name] = true
-	}
 	if full {
+		wanted := planned(tp)
 		kernel, err := s.kernel.ChainNames(ctx, tp.Table)
 		if err != nil {
 			return tw, err
@@ -333,14 +330,31 @@ func (s *Stage) changes(ctx context.Context, tp bus.TablePayload, full, refresh 
 		return tw, nil
 	}
 	var unchecked []bus.Chain
+	known := 0
+	// A plan that has a chain it says it dropped is not taken at its word.
+	dropped := make(map[string]bool, len(tp.Dropped))
+	for _, name := range tp.Dropped {
+		dropped[name] = true
+	}
+	trustDropped := true
 	for _, c := range tp.Chains {
-		if s.ledger.differs(tp.Table, c) {
+		differs, ok := s.ledger.differs(tp.Table, c)
+		if ok {
+			known++
+		}
+		if len(dropped) > 0 && dropped[c.Name] {
+			trustDropped = false
+		}
+		if differs {
 			tw.write = append(tw.write, c)
 		} else if refresh && nf.KindOf(c.Name).Checked() {
 			unchecked = append(unchecked, c)
 		}
 	}
-	tw.delete = s.ledger.unwanted(tp.Table, wanted)
+	var ok bool
+	if tw.delete, ok = s.ledger.droppedOnly(tp, known); !ok || !trustDropped {
+		tw.delete = s.ledger.unwanted(tp.Table, planned(tp))
+	}
 	if len(unchecked) > 0 {
 		drifted, err := s.drifted(ctx, tp.Table, unchecked)
 		if err != nil {
@@ -352,6 +366,15 @@ func (s *Stage) changes(ctx context.Context, tp bus.TablePayload, full, refresh 
 		tw.write = mergeInOrder(tp.Chains, tw.write, drifted)
 	}
 	return tw, nil
+}
+
+// planned is the set of the table's chains in the plan.
+func planned(tp bus.TablePayload) map[string]bool {
+	wanted := make(map[string]bool, len(tp.Chains))
+	for _, c := range tp.Chains {
+		wanted[c.Name] = true
+	}
+	return wanted
 }
 
 // unchanged splits a full sync's chains into those to write and those the

@@ -17,8 +17,8 @@ type Ledger struct {
 	// synced: a full sync completed since the ledger was made, so chains
 	// describes the kernel (before it, every plan is written as a full sync).
 	synced bool
-	chains map[chainKey]known
-	unsure map[chainKey]bool // a write to these began and was not confirmed
+	chains map[string]map[string]known // by table, then chain
+	unsure map[chainKey]bool           // a write to these began and was not confirmed
 	// tried holds, for filter chains in doubt, the rules of the writes that
 	// began and were not confirmed: the kernel may hold them (see oldRules).
 	tried map[chainKey]string
@@ -42,7 +42,7 @@ type known struct {
 
 // NewLedger makes an empty ledger: the first plan is written as a full sync.
 func NewLedger() *Ledger {
-	return &Ledger{chains: map[chainKey]known{}, unsure: map[chainKey]bool{}, tried: map[chainKey]string{}}
+	return &Ledger{chains: map[string]map[string]known{}, unsure: map[chainKey]bool{}, tried: map[chainKey]string{}}
 }
 
 // chainKey names a chain of a table.
@@ -53,31 +53,50 @@ func key(table, chain string) chainKey { return chainKey{table, chain} }
 // reset forgets what the ledger knew, for a full sync, which rewrites everything.
 func (l *Ledger) reset() {
 	l.synced = false
-	l.chains = map[chainKey]known{}
+	l.chains = map[string]map[string]known{}
 	l.unsure = map[chainKey]bool{}
 	l.tried = map[chainKey]string{}
 }
 
 // differs says whether c must be written: kpipe never wrote it, wrote other
-// rules, or a write to it may have been cut short.
-func (l *Ledger) differs(table string, c bus.Chain) bool {
-	k := key(table, c.Name)
-	old, ok := l.chains[k]
-	return !ok || old.hash != c.Hash || l.unsure[k]
+// rules, or a write to it may have been cut short. known: the ledger has it.
+func (l *Ledger) differs(table string, c bus.Chain) (differs, known bool) {
+	old, ok := l.chains[table][c.Name]
+	return !ok || old.hash != c.Hash || len(l.unsure) > 0 && l.unsure[key(table, c.Name)], ok
+}
+
+// droppedOnly lists the chains to delete when the plan's Dropped hint
+// accounts for them all: no chain in doubt, and every chain the ledger has
+// for the table is either in the plan (known of them) or in Dropped. Not ok:
+// unwanted must go through the ledger.
+func (l *Ledger) droppedOnly(tp bus.TablePayload, known int) (out []string, ok bool) {
+	if len(l.unsure) > 0 {
+		return nil, false
+	}
+	for _, name := range tp.Dropped {
+		if _, has := l.chains[tp.Table][name]; has && nf.KindOf(name).Disposable() {
+			out = append(out, name)
+		}
+	}
+	if known+len(out) != len(l.chains[tp.Table]) {
+		return nil, false
+	}
+	sortForDelete(out)
+	return out, true
 }
 
 // unwanted lists the per-service chains of table that kpipe wrote (or may have
 // written) and the plan does not have.
 func (l *Ledger) unwanted(table string, wanted map[string]bool) []string {
 	var out []string
-	drop := func(k chainKey) bool { return k.table == table && !wanted[k.chain] && nf.KindOf(k.chain).Disposable() }
-	for k := range l.chains {
-		if drop(k) {
-			out = append(out, k.chain)
+	drop := func(chain string) bool { return !wanted[chain] && nf.KindOf(chain).Disposable() }
+	for chain := range l.chains[table] {
+		if drop(chain) {
+			out = append(out, chain)
 		}
 	}
 	for k := range l.unsure {
-		if _, known := l.chains[k]; !known && drop(k) {
+		if _, known := l.chains[table][k.chain]; k.table == table && !known && drop(k.chain) {
 			out = append(out, k.chain)
 		}
 	}
@@ -101,14 +120,17 @@ func (l *Ledger) confirm(o op) {
 	delete(l.unsure, k)
 	delete(l.tried, k)
 	if o.deleted {
-		delete(l.chains, k)
+		delete(l.chains[o.table], o.chain)
 		return
 	}
 	kn := known{hash: o.hash}
 	if o.table == nf.TableFilter {
 		kn.rules = o.rules
 	}
-	l.chains[k] = kn
+	if l.chains[o.table] == nil {
+		l.chains[o.table] = map[string]known{}
+	}
+	l.chains[o.table][o.chain] = kn
 }
 
 // oldRules are the rules a filter chain may hold now, if kpipe knows them:
@@ -117,9 +139,8 @@ func (l *Ledger) confirm(o op) {
 // all as guards: a write rejected or cut short must not leave the next one
 // without the REJECT and DROP rules the nat table may still rely on.
 func (l *Ledger) oldRules(table, chain string) (string, bool) {
-	k := key(table, chain)
-	old, ok := l.chains[k]
-	tried, doubted := l.tried[k]
+	old, ok := l.chains[table][chain]
+	tried, doubted := l.tried[key(table, chain)]
 	if !ok && !doubted {
 		return "", false
 	}
@@ -128,17 +149,16 @@ func (l *Ledger) oldRules(table, chain string) (string, bool) {
 
 // sawKernel records the kernel's digest of a chain kpipe just wrote.
 func (l *Ledger) sawKernel(table, chain string, digest uint64) {
-	k := key(table, chain)
-	if kn, ok := l.chains[k]; ok {
+	if kn, ok := l.chains[table][chain]; ok {
 		kn.listed, kn.seen = digest, true
-		l.chains[k] = kn
+		l.chains[table][chain] = kn
 	}
 }
 
 // matches says whether the kernel's digest of a chain is the one kpipe read back
 // after writing it.
 func (l *Ledger) matches(table, chain string, digest uint64) bool {
-	kn, ok := l.chains[key(table, chain)]
+	kn, ok := l.chains[table][chain]
 	return ok && kn.seen && kn.listed == digest
 }
 
@@ -146,8 +166,7 @@ func (l *Ledger) matches(table, chain string, digest uint64) bool {
 // write rewrites it (or deletes it, if no longer wanted). A chain kpipe did not
 // write is not kpipe's to repair.
 func (l *Ledger) suspect(table, chain string) {
-	k := key(table, chain)
-	if _, ok := l.chains[k]; ok {
-		l.unsure[k] = true
+	if _, ok := l.chains[table][chain]; ok {
+		l.unsure[key(table, chain)] = true
 	}
 }

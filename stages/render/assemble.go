@@ -32,6 +32,11 @@ type assembly struct {
 	fixed, dispatch, tail []string
 	// byRank is payload's room for the per-service chains of ranks 1 to 4.
 	byRank [4][]bus.Chain
+	// owners counts the services that have each per-service chain; gone are
+	// the chains that lost their last owner or were deleted since the last
+	// plan (the plan's Dropped, once checked).
+	owners map[string]int
+	gone   []string
 }
 
 // sharedChain is a chain many services write into (a top-level or dispatch chain).
@@ -59,7 +64,7 @@ type chainPart struct {
 }
 
 func newAssembly() *assembly {
-	return &assembly{shared: map[string]*sharedChain{}, dirty: map[*sharedChain]bool{}, orderDirty: true}
+	return &assembly{shared: map[string]*sharedChain{}, dirty: map[*sharedChain]bool{}, orderDirty: true, owners: map[string]int{}}
 }
 
 func (a *assembly) chain(name string) *sharedChain {
@@ -77,6 +82,12 @@ func (a *assembly) chain(name string) *sharedChain {
 func (a *assembly) contribute(key bus.ServiceKey, parts []part, add bool) {
 	for i, p := range parts {
 		if p.rank.perService() {
+			if add {
+				a.owners[p.name]++
+			} else if a.owners[p.name]--; a.owners[p.name] == 0 {
+				delete(a.owners, p.name)
+				a.gone = append(a.gone, p.name)
+			}
 			continue
 		}
 		c := a.chain(p.name)
@@ -125,6 +136,7 @@ func (a *assembly) rebuild(cache map[bus.ServiceKey]*cachedService, partsOf func
 		slices.SortFunc(keys, compareKeys)
 		if !c.headed && !c.dispatched && !c.tailed && len(keys) == 0 {
 			delete(a.shared, c.name)
+			a.gone = append(a.gone, c.name)
 			a.orderDirty = true
 			continue
 		}
@@ -233,10 +245,22 @@ func (a *assembly) payload(name string, services []*cachedService, partsOf func(
 	for _, chains := range a.byRank {
 		tp.Chains = append(tp.Chains, chains...)
 	}
+	tp.Dropped = a.dropped()
 	for ; i < len(a.order); i++ {
 		add(a.order[i])
 	}
 	return tp
+}
+
+// dropped are the chains gone since the last plan that this one does not
+// have (a chain can go and come back within one snapshot), each once.
+func (a *assembly) dropped() []string {
+	slices.Sort(a.gone)
+	out := slices.DeleteFunc(slices.Compact(a.gone), func(name string) bool {
+		return a.owners[name] > 0 || a.shared[name] != nil
+	})
+	a.gone = nil
+	return out
 }
 
 // bucketsChanged counts the services in each leaf bucket, from old's buckets

@@ -21,10 +21,16 @@ func TestRendererCacheMatchesFreshRender(t *testing.T) {
 	st := SyntheticState(40, 3)
 	st.Node = node()
 	rr := NewRenderer(cfg)
+	var last *bus.Plan
 	for step := range 300 {
+		was := st
 		st = mutate(rnd, st, step)
 		snap := &bus.Snapshot{Generation: uint64(step), State: st, Full: step%50 == 0}
 		got, want := rr.Render(snap), Render(cfg, snap)
+		if last != nil {
+			checkDropped(t, step, last, got, sameNode(was.Node, st.Node))
+		}
+		last = got
 		if g, w := payload(got), payload(want); g != w {
 			t.Fatalf("step %d: cached render differs from a fresh one:\n%s", step, diff(w, g))
 		}
@@ -40,6 +46,38 @@ func TestRendererCacheMatchesFreshRender(t *testing.T) {
 			if got.Tables[i].RuleCount != want.Tables[i].RuleCount {
 				t.Fatalf("step %d: %s rule count %d, fresh %d", step, got.Tables[i].Table, got.Tables[i].RuleCount, want.Tables[i].RuleCount)
 			}
+		}
+	}
+}
+
+// checkDropped: each table's Dropped are chains of the last plan that this
+// one does not have, and all of them unless the renderer started over (a node
+// that shapes every rule changed).
+func checkDropped(t *testing.T, step int, last, now *bus.Plan, complete bool) {
+	t.Helper()
+	for i, tp := range now.Tables {
+		names := func(tp bus.TablePayload) map[string]bool {
+			m := map[string]bool{}
+			for _, c := range tp.Chains {
+				m[c.Name] = true
+			}
+			return m
+		}
+		before, after := names(last.Tables[i]), names(tp)
+		var want []string
+		for name := range before {
+			if !after[name] {
+				want = append(want, name)
+			}
+		}
+		slices.Sort(want)
+		for _, d := range tp.Dropped {
+			if !before[d] || after[d] {
+				t.Fatalf("step %d: %s Dropped names %s: in the last plan %v, in this one %v", step, tp.Table, d, before[d], after[d])
+			}
+		}
+		if complete && !slices.Equal(tp.Dropped, want) {
+			t.Fatalf("step %d: %s Dropped %v, want %v", step, tp.Table, tp.Dropped, want)
 		}
 	}
 }
