@@ -8,6 +8,7 @@ import (
 	"strings"
 	"syscall"
 	"time"
+	"unsafe"
 
 	"github.com/mdlayher/netlink"
 
@@ -27,19 +28,29 @@ import (
 type nftSection struct {
 	table    string
 	msgs     nlBuf
-	whats    []string // what each message does, for errors
+	whats    []nftWhat // what each message does, for errors
 	firstSeq uint32
 }
 
+// nftWhat is what one message does, spelt out only for an error: a message
+// each for 10^5 rules, a string built for each would be megabytes.
+type nftWhat struct {
+	op    string // "create chain", "add a rule to", …
+	chain string // a slice of the payload
+}
+
+func (w nftWhat) String() string { return w.op + " " + w.chain }
+
 // add appends one message; body writes its attributes.
-func (s *nftSection) add(typ int, flags uint16, family uint8, what string, body func(n *nlBuf)) {
+func (s *nftSection) add(typ int, flags uint16, family uint8, what nftWhat, body func(n *nlBuf)) {
 	at := s.msgs.msg(uint16(nfnlSubsysNFTables<<8|typ), syscall.NLM_F_REQUEST|flags, s.firstSeq+uint32(len(s.whats)), family, 0)
 	body(&s.msgs)
 	s.msgs.done(at)
 	s.whats = append(s.whats, what)
 }
 
-// translatePayload turns a payload into batches, or errUntranslatable.
+// translatePayload turns a payload into batches, or errUntranslatable. The
+// batches keep slices of payload (chain names, for errors): it must not change.
 func translatePayload(family bus.Family, payload []byte) ([]nftSection, error) {
 	x := ruleTranslator{family: family}
 	proto := nfproto(family)
@@ -47,7 +58,7 @@ func translatePayload(family bus.Family, payload []byte) ([]nftSection, error) {
 	var cur *nftSection
 	seq := uint32(1)
 
-	text := string(payload)
+	text := unsafe.String(unsafe.SliceData(payload), len(payload)) // not copied: tens of MB at 10k services
 	for n := 0; text != ""; n++ {
 		var line string
 		line, text, _ = strings.Cut(text, "\n")
@@ -81,12 +92,12 @@ func translatePayload(family bus.Family, payload []byte) ([]nftSection, error) {
 				return nil, untranslatable("line %d: %q", n+1, line)
 			}
 			chain, table := f[0], cur.table
-			cur.add(nftMsgNewChain, syscall.NLM_F_CREATE, proto, "create chain "+chain, func(n *nlBuf) {
+			cur.add(nftMsgNewChain, syscall.NLM_F_CREATE, proto, nftWhat{"create chain", chain}, func(n *nlBuf) {
 				n.str(nftaChainTable, table)
 				n.str(nftaChainName, chain)
 			})
 			// DELRULE without a handle deletes every rule of the chain.
-			cur.add(nftMsgDelRule, 0, proto, "flush chain "+chain, func(n *nlBuf) {
+			cur.add(nftMsgDelRule, 0, proto, nftWhat{"flush chain", chain}, func(n *nlBuf) {
 				n.str(nftaRuleTable, table)
 				n.str(nftaRuleChain, chain)
 			})
@@ -95,7 +106,7 @@ func translatePayload(family bus.Family, payload []byte) ([]nftSection, error) {
 			if !isUserChain(chain) {
 				return nil, untranslatable("line %d: %q", n+1, line)
 			}
-			cur.add(nftMsgDelChain, 0, proto, "delete chain "+chain, func(n *nlBuf) {
+			cur.add(nftMsgDelChain, 0, proto, nftWhat{"delete chain", chain}, func(n *nlBuf) {
 				n.str(nftaChainTable, table)
 				n.str(nftaChainName, chain)
 			})
@@ -109,7 +120,7 @@ func translatePayload(family bus.Family, payload []byte) ([]nftSection, error) {
 				return nil, fmt.Errorf("line %d: %w", n+1, err)
 			}
 			table := cur.table
-			cur.add(nftMsgNewRule, syscall.NLM_F_CREATE|syscall.NLM_F_APPEND, proto, "add a rule to "+r.chain, func(n *nlBuf) {
+			cur.add(nftMsgNewRule, syscall.NLM_F_CREATE|syscall.NLM_F_APPEND, proto, nftWhat{"add a rule to", r.chain}, func(n *nlBuf) {
 				r.encode(n, table)
 			})
 		default:
@@ -289,7 +300,7 @@ func (w *nftReader) batch(s *nftSection) error {
 			if errno := replyErrno(r.Data); errno != nil && refused == nil {
 				what := "begin a batch"
 				if i := int(r.Header.Seq - s.firstSeq); r.Header.Seq >= s.firstSeq && i < len(s.whats) {
-					what = s.whats[i]
+					what = s.whats[i].String()
 				}
 				refused = &nftBatchError{table: s.table, what: what, err: errno.(syscall.Errno)}
 			}

@@ -101,6 +101,13 @@ func TestRefusedBatchTooManyAnswers(t *testing.T) {
 		if !errors.As(err, &refused) {
 			return fmt.Errorf("RestoreNetlink into a namespace without tables = %v; want the batch refused", err)
 		}
+		// A few refusals are read: the first names what was refused, from the
+		// payload (which translation does not copy).
+		small := "*nat\n:KUBE-KPX-W - [0:0]\n-A KUBE-KPX-W -j RETURN\nCOMMIT\n"
+		err = Tool{Family: bus.IPv4}.RestoreNetlink(context.Background(), []byte(small))
+		if !errors.As(err, &refused) || refused.what != "create chain KUBE-KPX-W" {
+			return fmt.Errorf("RestoreNetlink of one chain into a namespace without tables = %v; want its creation refused", err)
+		}
 		return nil
 	})
 }

@@ -4,7 +4,10 @@ import (
 	"context"
 	"fmt"
 	"maps"
+	"runtime"
+	"runtime/metrics"
 	"testing"
+	"time"
 
 	"github.com/kpipe/kpipe/bus"
 	"github.com/kpipe/kpipe/netfilter/netnstest"
@@ -27,15 +30,19 @@ func BenchmarkCommit(b *testing.B) {
 		periodic := render.Render(cfg, &bus.Snapshot{State: st, Refresh: true})
 		added := render.Render(cfg, &bus.Snapshot{State: withNewService(st)})
 		b.Run(fmt.Sprintf("services=%d/full-into-empty", n), func(b *testing.B) {
+			var held uint64
 			for b.Loop() {
 				b.StopTimer()
 				ns := netnstest.New(b)
+				peak := watchLiveHeap()
 				b.StartTimer()
 				ns.Run(b, func() error { return apply(fullPlan) })
 				b.StopTimer()
+				held = max(held, peak())
 				b.StartTimer()
 			}
 			b.ReportMetric(float64(fullPlan.Tables[0].RuleCount+fullPlan.Tables[1].RuleCount), "rules")
+			b.ReportMetric(float64(held)/(1<<20), "held-MiB")
 		})
 		ns := netnstest.New(b)
 		s := realStage()
@@ -125,4 +132,37 @@ func withNewService(st bus.State) bus.State {
 	out.Services, out.Slices = maps.Clone(st.Services), maps.Clone(st.Slices)
 	out.Services[key], out.Slices[key] = next.Services[key], next.Slices[key]
 	return out
+}
+
+// watchLiveHeap samples the heap live after each collection until peak is
+// called, which returns its highest rise over the live heap when it began:
+// what the work in between held at once (the heap grows to twice that before
+// the next collection).
+func watchLiveHeap() (peak func() uint64) {
+	runtime.GC()
+	sample := []metrics.Sample{{Name: "/gc/heap/live:bytes"}}
+	live := func() uint64 { metrics.Read(sample); return sample[0].Value.Uint64() }
+	base, highest := live(), uint64(0)
+	done, stopped := make(chan struct{}), make(chan struct{})
+	go func() {
+		defer close(stopped)
+		tick := time.NewTicker(time.Millisecond)
+		defer tick.Stop()
+		for {
+			highest = max(highest, live())
+			select {
+			case <-done:
+				return
+			case <-tick.C:
+			}
+		}
+	}()
+	return func() uint64 {
+		close(done)
+		<-stopped
+		if highest < base {
+			return 0
+		}
+		return highest - base
+	}
 }

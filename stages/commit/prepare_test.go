@@ -3,6 +3,8 @@ package commit
 import (
 	"context"
 	"fmt"
+	"slices"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -66,4 +68,88 @@ func TestLargeWritePreparesAhead(t *testing.T) {
 		t.Fatal(err)
 	}
 	requireFresh(t, k.Kernel, st, "after the write")
+}
+
+// heldKernel is the fake kernel that counts the steps prepared and not yet
+// written, and records the most there were at once.
+type heldKernel struct {
+	*fakekernel.Kernel
+	mu         sync.Mutex
+	held, most int
+}
+
+func (k *heldKernel) Prepare(payload []byte) func(context.Context) error {
+	k.mu.Lock()
+	k.held++
+	k.most = max(k.most, k.held)
+	k.mu.Unlock()
+	write := k.Kernel.Prepare(payload)
+	return func(ctx context.Context) error {
+		time.Sleep(time.Millisecond) // the kernel takes its time: the preparer runs ahead
+		err := write(ctx)
+		k.mu.Lock()
+		k.held--
+		k.mu.Unlock()
+		return err
+	}
+}
+
+// TestLargeWriteHoldsTwoSteps: while the kernel takes one step of a large
+// write, only the next is prepared (at 10k services a prepared step is tens
+// of MB of netlink messages; a third one in hand raised the peak heap by as
+// much).
+func TestLargeWriteHoldsTwoSteps(t *testing.T) {
+	st := largeState(maxChainsPerRestore)
+	k := &heldKernel{Kernel: fakekernel.New()}
+	if err := testStage(k).apply(context.Background(), planOf(st, 1, true)); err != nil {
+		t.Fatal(err)
+	}
+	if k.Restores < 4 {
+		t.Fatalf("%d steps; the test needs a write of several", k.Restores)
+	}
+	if k.most > 2 {
+		t.Errorf("%d steps were prepared and not yet written at once; want at most 2", k.most)
+	}
+	requireFresh(t, k.Kernel, st, "after the write")
+}
+
+// TestStepSizeFollowsWhatIsReachable: a first sync into a nat table without
+// kpipe's chains is written in steps of chainsPerFreshStep chains (nothing
+// the kernel validates on each transaction is reachable yet); a full write over
+// kpipe's own chains in steps of up to maxChainsPerRestore (each transaction
+// then pays the kernel's walk of every reachable chain).
+func TestStepSizeFollowsWhatIsReachable(t *testing.T) {
+	k := fakekernel.New()
+	var sizes []int
+	k.BeforeRestore = func(_ int, payload string) error {
+		// chains written: the declared ones that are not deleted
+		sizes = append(sizes, strings.Count(payload, "\n:")-strings.Count(payload, "\n-X "))
+		return nil
+	}
+	st := largeState(maxChainsPerRestore)
+	if err := testStage(k).apply(context.Background(), planOf(st, 1, true)); err != nil {
+		t.Fatal(err)
+	}
+	if len(sizes) < 4 || slices.Max(sizes) > chainsPerFreshStep {
+		t.Errorf("first sync: steps of %v chains; want several, of at most %d", sizes, chainsPerFreshStep)
+	}
+	requireFresh(t, k, st, "after the first sync")
+
+	// A restarted kpipe (a new ledger) whose every service changed.
+	sizes = nil
+	changed := largeState(maxChainsPerRestore)
+	for key, svc := range changed.Services {
+		c := *svc
+		c.Ports = slices.Clone(c.Ports)
+		c.Ports[0].Port++
+		changed.Services[key] = &c
+	}
+	if err := testStage(k).apply(context.Background(), planOf(changed, 1, true)); err != nil {
+		t.Fatal(err)
+	}
+	if slices.Max(sizes) <= chainsPerFreshStep || slices.Max(sizes) > maxChainsPerRestore {
+		t.Errorf("full write over kpipe's chains: steps of %v chains; want one of more than %d, none of more than %d",
+			sizes, chainsPerFreshStep, maxChainsPerRestore)
+	}
+	requireFresh(t, k, changed, "after the rewrite")
 }

@@ -17,6 +17,7 @@ type tableWrites struct {
 	delete []string    // per-service chains kpipe wrote and the plan dropped
 	stale  []string    // per-service chains in the kernel that a full plan does not have
 	same   []sameChain // a full plan's chains the kernel already holds as planned
+	fresh  bool        // a full sync found none of kpipe's kinds of chain in the table
 }
 
 // sameChain is a chain found in the kernel as planned, with its digest there.
@@ -56,6 +57,9 @@ type op struct {
 }
 
 func (s step) payload() []byte {
+	if len(s.blocks) == 1 { // a large write's steps: not copied again
+		return nf.Assemble(s.blocks[0].table, s.blocks[0].write, s.blocks[0].delete)
+	}
 	var b bytes.Buffer
 	for _, bl := range s.blocks {
 		b.Write(nf.Assemble(bl.table, bl.write, bl.delete))
@@ -94,9 +98,14 @@ func (b block) size() int { return len(b.write) + len(b.delete) }
 //     from kube-proxy can mean 10^5 of them, which must not hold up the switch.
 //
 // A small plan is one run (each table section is its own transaction); a large
-// one is split into runs of at most maxChainsPerRestore chains.
+// one is split into runs of at most maxChainsPerRestore chains, or
+// chainsPerFreshStep into a nat table that has none of kpipe's chains yet.
 func (w writes) steps(l *Ledger) []step {
 	nat, filter := w.of(nf.TableNAT), w.of(nf.TableFilter)
+	size := maxChainsPerRestore
+	if nat.fresh {
+		size = chainsPerFreshStep
+	}
 	var guards []bus.Chain
 	filterLast := filter.write
 	if len(nat.write)+len(nat.delete) > 0 {
@@ -109,13 +118,13 @@ func (w writes) steps(l *Ledger) []step {
 		{table: nf.TableFilter, write: filterLast, delete: filter.delete},
 	}
 	var out []step
-	if len(guards)+len(nat.write)+len(nat.delete)+len(filter.write)+len(filter.delete) <= maxChainsPerRestore {
+	if len(guards)+len(nat.write)+len(nat.delete)+len(filter.write)+len(filter.delete) <= size {
 		// One run: each table section is still its own transaction, in this order.
 		out = append(out, step{blocks: []block{first, {table: nf.TableNAT, write: append(services, top...), delete: nat.delete}, last[1]}})
 	} else {
 		out = append(out, step{blocks: []block{first}})
 		for len(services) > 0 {
-			n := min(len(services), maxChainsPerRestore)
+			n := min(len(services), size)
 			out = append(out, step{blocks: []block{{table: nf.TableNAT, write: services[:n]}}})
 			services = services[n:]
 		}
