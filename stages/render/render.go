@@ -130,11 +130,17 @@ func (rr *Renderer) Render(snap *bus.Snapshot) *bus.Plan {
 		rr.replace(key, rr.cache[key], rr.rendered(snap, key))
 	}
 	if len(rr.cache) < len(snap.State.Services) {
+		var added []bus.ServiceKey
 		for key := range snap.State.Services {
 			if rr.cache[key] == nil {
-				rr.replace(key, nil, rr.rendered(snap, key))
+				if c := rr.rendered(snap, key); c != nil {
+					rr.account(key, nil, c)
+					rr.cache[key] = c
+					added = append(added, key)
+				}
 			}
 		}
+		rr.addKeys(added)
 	}
 
 	// The rules that do not come from one service: fixed, dispatch, tail.
@@ -185,6 +191,42 @@ func (rr *Renderer) rendered(snap *bus.Snapshot, key bus.ServiceKey) *cachedServ
 // replace puts new (nil: none) in the cache in place of old (nil: none) for
 // key, and tells the assemblies which shared chains change.
 func (rr *Renderer) replace(key bus.ServiceKey, old, new *cachedService) {
+	rr.account(key, old, new)
+	i, found := slices.BinarySearchFunc(rr.keys, key, compareKeys)
+	switch {
+	case new == nil:
+		delete(rr.cache, key)
+		if found {
+			rr.keys, rr.services = slices.Delete(rr.keys, i, i+1), slices.Delete(rr.services, i, i+1)
+		}
+	case found:
+		rr.cache[key], rr.services[i] = new, new
+	default:
+		rr.cache[key] = new
+		rr.keys, rr.services = slices.Insert(rr.keys, i, key), slices.Insert(rr.services, i, new)
+	}
+}
+
+// addKeys puts keys (new to the cache, which has them) in key order: sorted
+// and merged in one pass, as inserting 10^4 of them one by one into the sorted
+// slices is quadratic (a tenth of a first render at 10k services).
+func (rr *Renderer) addKeys(added []bus.ServiceKey) {
+	slices.SortFunc(added, compareKeys)
+	keys := make([]bus.ServiceKey, 0, len(rr.keys)+len(added))
+	services := make([]*cachedService, 0, cap(keys))
+	i := 0
+	for _, key := range added {
+		for ; i < len(rr.keys) && compareKeys(rr.keys[i], key) < 0; i++ {
+			keys, services = append(keys, rr.keys[i]), append(services, rr.services[i])
+		}
+		keys, services = append(keys, key), append(services, rr.cache[key])
+	}
+	rr.keys, rr.services = append(keys, rr.keys[i:]...), append(services, rr.services[i:]...)
+}
+
+// account tells the assemblies, the plan's maps and counts and the buckets
+// that key's rendering goes from old to new (either nil: none).
+func (rr *Renderer) account(key bus.ServiceKey, old, new *cachedService) {
 	if old != nil {
 		rr.nat.contribute(key, old.r.nat, false)
 		rr.filter.contribute(key, old.r.filter, false)
@@ -204,19 +246,6 @@ func (rr *Renderer) replace(key bus.ServiceKey, old, new *cachedService) {
 	}
 	if bucketsChanged(rr.buckets, old, new) {
 		rr.rebucket = true
-	}
-	i, found := slices.BinarySearchFunc(rr.keys, key, compareKeys)
-	switch {
-	case new == nil:
-		delete(rr.cache, key)
-		if found {
-			rr.keys, rr.services = slices.Delete(rr.keys, i, i+1), slices.Delete(rr.services, i, i+1)
-		}
-	case found:
-		rr.cache[key], rr.services[i] = new, new
-	default:
-		rr.cache[key] = new
-		rr.keys, rr.services = slices.Insert(rr.keys, i, key), slices.Insert(rr.services, i, new)
 	}
 }
 
