@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"slices"
+	"strconv"
 	"strings"
 )
 
@@ -57,6 +58,8 @@ func (j Jump) spec() []string {
 // put before them (moveJumpsFirst); the other rules stay as they are.
 func (t Tool) EnsureJumps(ctx context.Context, js []Jump, first bool) error {
 	listed := map[string][]string{}
+	missing := map[string][]Jump{} // by table, in js's order
+	var tables []string
 	for _, j := range js {
 		key := j.Table + "/" + j.From
 		rules, ok := listed[key]
@@ -78,9 +81,38 @@ func (t Tool) EnsureJumps(ctx context.Context, js []Jump, first bool) error {
 		if err := t.ensureChain(ctx, j.Table, j.To); err != nil {
 			return err
 		}
-		if err := t.insertUnique(ctx, j.Table, j.From, j.spec()); err != nil {
-			return fmt.Errorf("ensure jump %s -> %s: %w", key, j.To, err)
+		if missing[j.Table] == nil {
+			tables = append(tables, j.Table)
 		}
+		missing[j.Table] = append(missing[j.Table], j)
+	}
+	for _, table := range tables {
+		if err := t.insertJumps(ctx, table, missing[table]); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// insertJumps inserts js (all of table) at the top of their chains, in turn,
+// in one iptables-restore: each iptables -I reads the whole table first, 0.1 to
+// 0.3 s at 10k services, and a first sync inserts a dozen jumps.
+func (t Tool) insertJumps(ctx context.Context, table string, js []Jump) error {
+	var b strings.Builder
+	b.WriteString("*" + table + "\n")
+	for _, j := range js {
+		b.WriteString("-I " + j.From + " 1")
+		for _, arg := range j.spec() {
+			if strings.ContainsAny(arg, " \"") {
+				arg = strconv.Quote(arg)
+			}
+			b.WriteString(" " + arg)
+		}
+		b.WriteString("\n")
+	}
+	b.WriteString("COMMIT\n")
+	if err := t.restoreTool(ctx, []byte(b.String())); err != nil {
+		return fmt.Errorf("ensure jumps in %s: %w", table, err)
 	}
 	return nil
 }
@@ -120,21 +152,6 @@ func isJump(rule, table, chain string, js []Jump) bool {
 		}
 	}
 	return false
-}
-
-// insertUnique inserts rule first in chain unless chain has it already (checked
-// with -C, in case the listing was misread: a duplicate would come back at every
-// sync).
-func (t Tool) insertUnique(ctx context.Context, table, chain string, rule []string) error {
-	_, err := t.iptables(ctx, append([]string{"-t", table, "-C", chain}, rule...)...)
-	if err == nil {
-		return nil
-	}
-	if !notThere(err) {
-		return err
-	}
-	_, err = t.iptables(ctx, append([]string{"-t", table, "-I", chain, "1"}, rule...)...)
-	return err
 }
 
 // jumpPresent says whether a listed chain (iptables -S lines) has j: a rule that

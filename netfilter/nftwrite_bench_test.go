@@ -38,6 +38,25 @@ func BenchmarkNetlinkFullSync(b *testing.B) {
 			b.ReportMetric(float64(encode.Milliseconds())/float64(b.N), "encode-ms/op")
 			b.ReportMetric(float64(kernel.Milliseconds())/float64(b.N), "kernel-ms/op")
 		})
+		// The same batch into empty tables: what the kernel needs to take a
+		// node's first sync in one transaction, the bound the commit stage's
+		// first sync is measured against (BenchmarkCommit full-into-empty).
+		b.Run(fmt.Sprintf("services=%d/into-empty", n), func(b *testing.B) {
+			var kernel time.Duration
+			for b.Loop() {
+				b.StopTimer()
+				bed.Reset(b)
+				write, err := nf.TranslateAndWrite(bus.IPv4, payload)
+				if err != nil {
+					b.Fatal(err)
+				}
+				b.StartTimer()
+				start := time.Now()
+				bed.Netlink.Run(b, func() error { return write(context.Background()) })
+				kernel += time.Since(start)
+			}
+			b.ReportMetric(float64(kernel.Milliseconds())/float64(b.N), "kernel-ms/op")
+		})
 	}
 }
 
