@@ -314,6 +314,8 @@ type healthCheck struct {
 func (r *renderer) compact() rendering {
 	out := rendering{nat: r.nat.parts(), filter: r.filter.parts(),
 		noLocal: [2]int{r.noLocal["internal"], r.noLocal["external"]}}
+	r.nat.release()
+	r.filter.release()
 	for k, v := range r.udp {
 		out.udp = append(out.udp, udpFrontEnd{k, v})
 	}
