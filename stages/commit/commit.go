@@ -255,13 +255,14 @@ const maxChainsPerRestore = 4000
 // chainsPerFreshStep is the step of a large write into a nat table that holds
 // none of kpipe's (or kube-proxy's) chains, a node's first sync: nothing the
 // kernel validates on each transaction is reachable yet, so smaller steps cost
-// no more transactions' worth, and they are faster with either writer and hold
-// a quarter of the memory (BenchmarkCommit full-into-empty at 10k: netlink
-// 5.5 -> 3.5 s and 86 -> 27-36 MiB held; iptables-restore 20-25 -> 9 s). Over
-// reachable chains each transaction pays the kernel's walk of them (~250 ms at
-// 10k), and the larger step is faster (a full write over itself: 5.1 s in
-// steps of 4000, 8.2 s in steps of 1000).
-const chainsPerFreshStep = 1000
+// no walk, and they are faster with either writer and hold less memory
+// (BenchmarkCommit full-into-empty at 10k, netlink: steps of 4000 5.5 s and
+// 86 MiB held, 1000 3.4-4.0 s and 26-29 MiB, 500 3.1-3.5 s and 17-20 MiB;
+// iptables-restore: 4000 20-25 s, 1000 9 s). Over reachable chains each
+// transaction pays the kernel's walk of them (~250 ms at 10k), and the larger
+// step is faster (a full write over itself: 5.1 s in steps of 4000, 8.2 s in
+// steps of 1000).
+const chainsPerFreshStep = 500
 
 // apply brings the kernel to the plan. It writes the chains that differ from the
 // ledger (every chain, for a full sync), deletes the per-service chains the plan
