@@ -58,10 +58,16 @@ func (b *Bed) Reset(tb testing.TB) {
 			if err := b.restoreTool().RestoreFlushing(ctx, []byte("*nat\nCOMMIT\n*filter\nCOMMIT\n")); err != nil {
 				return err
 			}
-			return b.restoreTool().Restore(ctx,
-				[]byte("*nat\n:KUBE-KPX-PRIME - [0:0]\n-X KUBE-KPX-PRIME\nCOMMIT\n*filter\n:KUBE-KPX-PRIME - [0:0]\n-X KUBE-KPX-PRIME\nCOMMIT\n"))
+			return MakeTables(b.Family)
 		})
 	}
+}
+
+// MakeTables makes the nat and filter tables, as iptables does, in the network
+// namespace it runs in (a node has them; the netlink writer needs them).
+func MakeTables(family bus.Family) error {
+	return nf.Tool{Family: family, Writer: nf.WriterRestore}.Restore(context.Background(),
+		[]byte("*nat\n:KUBE-KPX-PRIME - [0:0]\n-X KUBE-KPX-PRIME\nCOMMIT\n*filter\n:KUBE-KPX-PRIME - [0:0]\n-X KUBE-KPX-PRIME\nCOMMIT\n"))
 }
 
 func (b *Bed) restoreTool() nf.Tool { return nf.Tool{Family: b.Family, Writer: nf.WriterRestore} }

@@ -10,8 +10,8 @@ import (
 	"time"
 
 	"github.com/kpipe/kpipe/bus"
-	nf "github.com/kpipe/kpipe/netfilter"
 	"github.com/kpipe/kpipe/netfilter/netnstest"
+	"github.com/kpipe/kpipe/netfilter/writertest"
 	"github.com/kpipe/kpipe/stages/render"
 )
 
@@ -35,7 +35,7 @@ func BenchmarkCommit(b *testing.B) {
 			for b.Loop() {
 				b.StopTimer()
 				ns := netnstest.New(b)
-				ns.Run(b, withTables) // as on a node: the netlink writer needs them
+				ns.Run(b, func() error { return writertest.MakeTables(bus.IPv4) }) // as on a node
 				peak := watchLiveHeap()
 				b.StartTimer()
 				ns.Run(b, func() error { return apply(fullPlan) })
@@ -134,12 +134,6 @@ func withNewService(st bus.State) bus.State {
 	out.Services, out.Slices = maps.Clone(st.Services), maps.Clone(st.Slices)
 	out.Services[key], out.Slices[key] = next.Services[key], next.Slices[key]
 	return out
-}
-
-// withTables makes the empty nat and filter tables, as iptables does.
-func withTables() error {
-	return nf.Tool{Family: bus.IPv4, Writer: nf.WriterRestore}.Restore(context.Background(), []byte(
-		"*nat\n:KUBE-KPX-PRIME - [0:0]\n-X KUBE-KPX-PRIME\nCOMMIT\n*filter\n:KUBE-KPX-PRIME - [0:0]\n-X KUBE-KPX-PRIME\nCOMMIT\n"))
 }
 
 // watchLiveHeap samples the heap live after each collection until peak is

@@ -336,10 +336,11 @@ func (s *Stage) changes(ctx context.Context, tp bus.TablePayload, full, refresh 
 		tw.write, tw.same = s.unchanged(ctx, tp.Table, tp.Chains, kernel)
 		tw.fresh = true
 		for _, name := range kernel {
-			if nf.KindOf(name).Disposable() && !wanted[name] {
+			kind := nf.KindOf(name)
+			if kind.Disposable() && !wanted[name] {
 				tw.stale = append(tw.stale, name)
 			}
-			if nf.KindOf(name) != nf.KindOther {
+			if kind != nf.KindOther {
 				tw.fresh = false
 			}
 		}

@@ -177,29 +177,21 @@ func TestRendererAddsManyServicesInOrder(t *testing.T) {
 	cfg := baseConfig()
 	all := SyntheticState(300, 2)
 	all.Node = node()
+	keys := slices.SortedFunc(maps.Keys(all.Services), compareKeys)
 	rr := NewRenderer(cfg)
 	st := all
 	st.Services = map[bus.ServiceKey]*bus.Service{}
-	i := 0
-	for key, svc := range all.Services { // a third of them at first, then the rest in two goes
-		if i%3 == 0 {
-			st.Services[key] = svc
-		}
-		i++
-	}
-	for step, keep := range []func(int) bool{func(int) bool { return true }, func(i int) bool { return i%2 == 0 }, func(int) bool { return true }} {
-		if step > 0 {
-			next := st
-			next.Services = maps.Clone(st.Services)
-			i := 0
-			for key, svc := range all.Services {
-				if keep(i) {
-					next.Services[key] = svc
-				}
-				i++
+	// Every third service at first, then every other one, then all: each step
+	// adds many, with keys between the cached ones.
+	for step, every := range []int{3, 2, 1} {
+		next := st
+		next.Services = maps.Clone(st.Services)
+		for i, key := range keys {
+			if i%every == 0 {
+				next.Services[key] = all.Services[key]
 			}
-			st = next
 		}
+		st = next
 		snap := &bus.Snapshot{Generation: uint64(step), State: st}
 		if g, w := payload(rr.Render(snap)), payload(Render(cfg, snap)); g != w {
 			t.Fatalf("step %d (%d services): cached render differs from a fresh one:\n%s", step, len(st.Services), diff(w, g))
