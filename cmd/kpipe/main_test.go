@@ -2,6 +2,7 @@ package main
 
 import (
 	"net/netip"
+	"runtime/debug"
 	"slices"
 	"strings"
 	"testing"
@@ -235,5 +236,30 @@ func TestLocalhostNodePortsFollowNodePortAddresses(t *testing.T) {
 	o.HostnameOverride, o.NodePortAddresses = "n", []string{"0.0.0.0/0", "192.168.0.0/16"}
 	if err := o.complete(); err != nil || len(o.nodePortCIDRs) != 0 {
 		t.Errorf("0.0.0.0/0 must mean every IPv4 address: cidrs %v, err %v", o.nodePortCIDRs, err)
+	}
+}
+
+// TestGCTargetUnlessGOGCIsSet: kpipe collects at 1.5 times the live heap
+// unless the operator set GOGC (any value, "off" too), which it leaves alone.
+func TestGCTargetUnlessGOGCIsSet(t *testing.T) {
+	const theirs = 100
+	old := debug.SetGCPercent(theirs)
+	defer debug.SetGCPercent(old)
+	for _, tt := range []struct {
+		env  map[string]string
+		want int
+	}{
+		{env: map[string]string{}, want: gcPercent},
+		{env: map[string]string{"GOGC": "100"}, want: theirs},
+		{env: map[string]string{"GOGC": "off"}, want: theirs},
+	} {
+		debug.SetGCPercent(theirs)
+		tuneGC(func(k string) (string, bool) { v, ok := tt.env[k]; return v, ok })
+		if got := debug.SetGCPercent(theirs); got != tt.want {
+			t.Errorf("with %v: GC percent %d; want %d", tt.env, got, tt.want)
+		}
+	}
+	if gcPercent >= theirs {
+		t.Fatalf("gcPercent %d is not below Go's default", gcPercent)
 	}
 }
