@@ -795,65 +795,43 @@ func TestResendAfterRestartSendsTheState(t *testing.T) {
 	}
 }
 
-// restartable is a coalesce stage whose runs a test starts and ends, its
-// mailboxes outliving them as the tree's do.
-type restartable struct {
-	t   *testing.T
-	s   *coalesce.Stage
-	in  *bus.ChangeQueue
-	fam coalesce.Family
-}
-
-func newRestartable(t *testing.T) *restartable {
-	r := &restartable{t: t, in: bus.NewChangeQueue(), fam: coalesce.Family{Family: bus.IPv4, Out: bus.NewMailbox[*bus.Snapshot](),
-		Results: bus.NewMailbox[bus.Result](), Resync: bus.NewResyncFlag(), Resend: bus.NewResendFlag()}}
-	r.s = coalesce.NewStage(coalesce.Params{Config: coalesce.Config{SyncPeriod: time.Hour}, In: r.in, Replay: bus.NewReplayFlag(),
-		Families: []coalesce.Family{r.fam}, Env: bus.Envs{Metrics: metrics.New(prometheus.NewRegistry())}.For(bus.Coalesce)})
-	return r
-}
-
-// run starts a run and returns what ends it (and waits for it to return).
-func (r *restartable) run() (stop func()) {
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan error, 1)
-	go func() { done <- r.s.Run(ctx) }()
-	return func() { cancel(); <-done }
-}
-
-// take waits for the next snapshot.
-func (r *restartable) take() *bus.Snapshot {
-	r.t.Helper()
-	ctx, cancel := context.WithTimeout(context.Background(), within)
-	defer cancel()
-	snap, err := r.fam.Out.Take(ctx)
-	if err != nil {
-		r.t.Fatal(err)
-	}
-	return snap
-}
-
 // TestGenerationsOutliveARestart: a restarted coalesce must not number its
 // snapshots from 1 again, or a Result left in a mailbox by the previous run (the
 // mailboxes outlive it) is taken for the answer to a new snapshot.
 func TestGenerationsOutliveARestart(t *testing.T) {
-	r := newRestartable(t)
-	stop := r.run()
-	sendTaken(t, r.in, replayOf(svc(keyA, "10.96.0.1")))
-	first := r.take()
-	stop()
+	in, replay := bus.NewChangeQueue(), bus.NewReplayFlag()
+	fam := coalesce.Family{Family: bus.IPv4, Out: bus.NewMailbox[*bus.Snapshot](), Results: bus.NewMailbox[bus.Result](),
+		Resync: bus.NewResyncFlag(), Resend: bus.NewResendFlag()}
+	s := coalesce.NewStage(coalesce.Params{Config: coalesce.Config{SyncPeriod: time.Hour}, In: in, Replay: replay,
+		Families: []coalesce.Family{fam}, Env: bus.Envs{Metrics: metrics.New(prometheus.NewRegistry())}.For(bus.Coalesce)})
+	run := func() (*bus.Snapshot, context.CancelFunc, chan error) {
+		ctx, cancel := context.WithCancel(context.Background())
+		done := make(chan error, 1)
+		go func() { done <- s.Run(ctx) }()
+		sendTaken(t, in, replayOf(svc(keyA, "10.96.0.1")))
+		tctx, tcancel := context.WithTimeout(context.Background(), within)
+		defer tcancel()
+		snap, err := fam.Out.Take(tctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return snap, cancel, done
+	}
+	first, cancel, done := run()
+	cancel()
+	<-done
 	// The first run's snapshot is answered late, after its coalesce restarted.
-	r.fam.Results.Put(bus.Result{Family: bus.IPv4, Generation: first.Generation, OK: true, Full: true})
-	defer r.run()()
-	sendTaken(t, r.in, replayOf(svc(keyA, "10.96.0.1")))
-	second := r.take()
+	fam.Results.Put(bus.Result{Family: bus.IPv4, Generation: first.Generation, OK: true, Full: true})
+	second, cancel, done := run()
+	defer func() { cancel(); <-done }()
 	if second.Generation <= first.Generation {
 		t.Fatalf("restarted coalesce numbered its snapshot %d after %d", second.Generation, first.Generation)
 	}
 	// The stale answer must not release the family: a change waits for the answer to second.
-	sendTaken(t, r.in, bus.Change{Kind: bus.ServiceChanged, Key: keyB, Service: svc(keyB, "10.96.0.2")})
+	sendTaken(t, in, bus.Change{Kind: bus.ServiceChanged, Key: keyB, Service: svc(keyB, "10.96.0.2")})
 	ctx, c := context.WithTimeout(context.Background(), quiet)
 	defer c()
-	if s, err := r.fam.Out.Take(ctx); err == nil {
+	if s, err := fam.Out.Take(ctx); err == nil {
 		t.Fatalf("snapshot %d sent while %d is in flight (a stale result was taken for its answer)", s.Generation, second.Generation)
 	}
 }
@@ -863,20 +841,42 @@ func TestGenerationsOutliveARestart(t *testing.T) {
 // complete against nothing (Since 0) until a commit of its own succeeds, or
 // render would keep a service deleted while it was down.
 func TestRestartedCoalesceClaimsNoCommit(t *testing.T) {
-	r := newRestartable(t)
-	stop := r.run()
-	sendTaken(t, r.in, replayOf(svc(keyA, "10.96.0.1"), svc(keyB, "10.96.0.2")))
-	s1 := r.take()
-	r.fam.Results.Put(bus.Result{Family: bus.IPv4, Generation: s1.Generation, OK: true, Full: s1.Full})
-	sendTaken(t, r.in, bus.Change{Kind: bus.ServiceChanged, Key: keyC, Service: svc(keyC, "10.96.0.3")})
-	if s2 := r.take(); s2.Since != s1.Generation {
+	in, replay := bus.NewChangeQueue(), bus.NewReplayFlag()
+	fam := coalesce.Family{Family: bus.IPv4, Out: bus.NewMailbox[*bus.Snapshot](), Results: bus.NewMailbox[bus.Result](),
+		Resync: bus.NewResyncFlag(), Resend: bus.NewResendFlag()}
+	s := coalesce.NewStage(coalesce.Params{Config: coalesce.Config{SyncPeriod: time.Hour}, In: in, Replay: replay,
+		Families: []coalesce.Family{fam}, Env: bus.Envs{Metrics: metrics.New(prometheus.NewRegistry())}.For(bus.Coalesce)})
+	take := func() *bus.Snapshot {
+		t.Helper()
+		ctx, cancel := context.WithTimeout(context.Background(), within)
+		defer cancel()
+		snap, err := fam.Out.Take(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return snap
+	}
+	run := func() (context.CancelFunc, chan error) {
+		ctx, cancel := context.WithCancel(context.Background())
+		done := make(chan error, 1)
+		go func() { done <- s.Run(ctx) }()
+		return cancel, done
+	}
+	cancel, done := run()
+	sendTaken(t, in, replayOf(svc(keyA, "10.96.0.1"), svc(keyB, "10.96.0.2")))
+	s1 := take()
+	fam.Results.Put(bus.Result{Family: bus.IPv4, Generation: s1.Generation, OK: true, Full: s1.Full})
+	sendTaken(t, in, bus.Change{Kind: bus.ServiceChanged, Key: keyC, Service: svc(keyC, "10.96.0.3")})
+	if s2 := take(); s2.Since != s1.Generation {
 		t.Fatalf("Since = %d before the restart; want %d", s2.Since, s1.Generation)
 	}
-	stop()
+	cancel()
+	<-done
 
-	defer r.run()()
-	sendTaken(t, r.in, replayOf(svc(keyA, "10.96.0.1"))) // b went while coalesce was down
-	if s3 := r.take(); s3.Since != 0 {
+	cancel, done = run()
+	defer func() { cancel(); <-done }()
+	sendTaken(t, in, replayOf(svc(keyA, "10.96.0.1"))) // b went while coalesce was down
+	if s3 := take(); s3.Since != 0 {
 		t.Fatalf("the restarted coalesce's first snapshot has Since %d; want 0 (its Changed %v lacks the deleted %v)", s3.Since, s3.Changed, keyB)
 	}
 }
