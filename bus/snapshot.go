@@ -11,15 +11,9 @@ type Snapshot struct {
 	Generation uint64
 	State      State
 	// Changed lists the services whose desired rules may differ from the last
-	// successful commit: every service whose Service or EndpointSlices are not
-	// the same values as in snapshot Since (and maybe others).
+	// successful commit (for tests and logs; render and commit find what differs
+	// themselves).
 	Changed map[ServiceKey]bool
-	// Since is the snapshot Changed is complete against: the last one a commit
-	// took, of those the current coalesce run sent. 0: none, and Changed is
-	// complete against nothing (a restarted coalesce has lost what it sent
-	// before). Render looks only at Changed when it last rendered snapshot Since
-	// or a later one; otherwise at every service.
-	Since uint64
 	// Full asks commit to rewrite every chain and delete every per-service chain it
 	// does not want, whatever it believes the kernel holds (start-up, a failed
 	// commit, flushed tables, the hourly full sync).

@@ -123,13 +123,10 @@ type familyState struct {
 	fullSince, refreshSince uint64
 	inflight                uint64 // generation sent and not yet answered; 0: none
 	sentSeq                 uint64 // change sequence number the in-flight snapshot includes
-	// committed is the last snapshot of this run a commit took (0: none): the
-	// one pending is kept against, which snapshots name as Since.
-	committed uint64
-	failures  int
-	retryAt   time.Time
-	lastFull  time.Time
-	limiter   *limiter
+	failures                int
+	retryAt                 time.Time
+	lastFull                time.Time
+	limiter                 *limiter
 }
 
 // wantFull asks for a full sync in a snapshot not sent yet.
@@ -404,7 +401,7 @@ func (s *Stage) result(f *familyState) {
 		s.log.Warn("commit failed; retrying with a full sync", "family", f.Family.Family, "in", backoff, "failures", f.failures, "err", res.Err)
 		return
 	}
-	f.failures, f.retryAt, f.committed = 0, time.Time{}, res.Generation
+	f.failures, f.retryAt = 0, time.Time{}
 	if res.Full {
 		f.lastFull = res.At
 		if res.Generation >= f.fullSince {
@@ -449,7 +446,7 @@ func (s *Stage) send(f *familyState, st *bus.State, gen, seq uint64, now time.Ti
 		Generation: gen,
 		State: bus.State{Services: maps.Clone(st.Services), Slices: maps.Clone(st.Slices), Node: st.Node,
 			LocalAddrs: st.LocalAddrs},
-		Changed: changed, Since: f.committed, Full: f.full, Refresh: f.refresh, QueuedAt: queued,
+		Changed: changed, Full: f.full, Refresh: f.refresh, QueuedAt: queued,
 	}
 	f.inflight, f.sentSeq, f.dirty = gen, seq, false
 	f.Out.Put(snap)

@@ -225,9 +225,6 @@ func TestLaterSnapshotsArePartial(t *testing.T) {
 	if !s2.Changed[keyB] || len(s2.Changed) != 1 {
 		t.Errorf("Changed = %v; want exactly %v", s2.Changed, keyB)
 	}
-	if s1.Since != 0 || s2.Since != s1.Generation {
-		t.Errorf("Since = %d, then %d; want 0 (nothing committed yet), then %d (the commit Changed is against)", s1.Since, s2.Since, s1.Generation)
-	}
 	if s2.State.Services[keyB] != b || s2.State.Services[keyA] == nil {
 		t.Errorf("services = %v; want a and b", s2.State.Services)
 	}
@@ -246,9 +243,6 @@ func TestLaterSnapshotsArePartial(t *testing.T) {
 	}
 	if !s3.Changed[keyA] || s3.Changed[keyB] {
 		t.Errorf("Changed = %v; want only the deleted %v (b was committed)", s3.Changed, keyA)
-	}
-	if s3.Since != s2.Generation {
-		t.Errorf("Since = %d; want %d", s3.Since, s2.Generation)
 	}
 }
 
@@ -324,9 +318,6 @@ func TestFailedCommitRetriesFullAfterBackoff(t *testing.T) {
 		}
 		if !s3.Changed[keyB] {
 			t.Errorf("retry Changed = %v; want the uncommitted %v still there", s3.Changed, keyB)
-		}
-		if s3.Since == 0 || s3.Since != s2.Since {
-			t.Errorf("retry Since = %d; want %d, the last commit that succeeded", s3.Since, s2.Since)
 		}
 		if s3.State.Services[keyB] == nil {
 			t.Error("retry lost the uncommitted service")
@@ -833,51 +824,6 @@ func TestGenerationsOutliveARestart(t *testing.T) {
 	defer c()
 	if s, err := fam.Out.Take(ctx); err == nil {
 		t.Fatalf("snapshot %d sent while %d is in flight (a stale result was taken for its answer)", s.Generation, second.Generation)
-	}
-}
-
-// TestRestartedCoalesceClaimsNoCommit: a restarted coalesce has lost what it
-// sent and which services changed since: its snapshots say Changed is
-// complete against nothing (Since 0) until a commit of its own succeeds, or
-// render would keep a service deleted while it was down.
-func TestRestartedCoalesceClaimsNoCommit(t *testing.T) {
-	in, replay := bus.NewChangeQueue(), bus.NewReplayFlag()
-	fam := coalesce.Family{Family: bus.IPv4, Out: bus.NewMailbox[*bus.Snapshot](), Results: bus.NewMailbox[bus.Result](),
-		Resync: bus.NewResyncFlag(), Resend: bus.NewResendFlag()}
-	s := coalesce.NewStage(coalesce.Params{Config: coalesce.Config{SyncPeriod: time.Hour}, In: in, Replay: replay,
-		Families: []coalesce.Family{fam}, Env: bus.Envs{Metrics: metrics.New(prometheus.NewRegistry())}.For(bus.Coalesce)})
-	take := func() *bus.Snapshot {
-		t.Helper()
-		ctx, cancel := context.WithTimeout(context.Background(), within)
-		defer cancel()
-		snap, err := fam.Out.Take(ctx)
-		if err != nil {
-			t.Fatal(err)
-		}
-		return snap
-	}
-	run := func() (context.CancelFunc, chan error) {
-		ctx, cancel := context.WithCancel(context.Background())
-		done := make(chan error, 1)
-		go func() { done <- s.Run(ctx) }()
-		return cancel, done
-	}
-	cancel, done := run()
-	sendTaken(t, in, replayOf(svc(keyA, "10.96.0.1"), svc(keyB, "10.96.0.2")))
-	s1 := take()
-	fam.Results.Put(bus.Result{Family: bus.IPv4, Generation: s1.Generation, OK: true, Full: s1.Full})
-	sendTaken(t, in, bus.Change{Kind: bus.ServiceChanged, Key: keyC, Service: svc(keyC, "10.96.0.3")})
-	if s2 := take(); s2.Since != s1.Generation {
-		t.Fatalf("Since = %d before the restart; want %d", s2.Since, s1.Generation)
-	}
-	cancel()
-	<-done
-
-	cancel, done = run()
-	defer func() { cancel(); <-done }()
-	sendTaken(t, in, replayOf(svc(keyA, "10.96.0.1"))) // b went while coalesce was down
-	if s3 := take(); s3.Since != 0 {
-		t.Fatalf("the restarted coalesce's first snapshot has Since %d; want 0 (its Changed %v lacks the deleted %v)", s3.Since, s3.Changed, keyB)
 	}
 }
 

@@ -15,13 +15,6 @@ import (
 // TestRendererCacheMatchesFreshRender drives a Renderer through random changes the
 // way coalesce makes them (a changed object is a new value) and checks that every
 // plan equals what a fresh Render of the same snapshot gives.
-//
-// The snapshots carry what coalesce tells render (bus.Snapshot): Changed,
-// complete against Since, the last snapshot a commit took. Render does not
-// take every snapshot (a newer one replaces it), some commits fail (the next
-// snapshot is Full), and now and then coalesce restarts: Since goes back to 0,
-// and Changed lists the services it replays, not those deleted while it was
-// down. Render restarts too, with an empty cache.
 func TestRendererCacheMatchesFreshRender(t *testing.T) {
 	rnd := rand.New(rand.NewPCG(1, 2))
 	cfg := baseConfig()
@@ -29,36 +22,15 @@ func TestRendererCacheMatchesFreshRender(t *testing.T) {
 	st.Node = node()
 	rr := NewRenderer(cfg)
 	var last *bus.Plan
-	var lastNode *bus.Node // the node of the last snapshot rendered
-	var since uint64
-	pending, full := map[bus.ServiceKey]bool{}, false
-	for step := range 600 {
+	for step := range 300 {
 		was := st
 		st = mutate(rnd, st, step)
-		maps.Copy(pending, changedKeys(was, st))
-		if rnd.IntN(50) == 0 { // coalesce restarts, and a service went while it was down
-			st = withoutOne(rnd, st)
-			since, pending = 0, changedKeys(bus.State{}, st)
-		}
-		if rnd.IntN(4) == 0 {
-			continue // render takes a later snapshot
-		}
-		restarted := rnd.IntN(50) == 0
-		if restarted { // render restarts: a new Renderer, its cache empty
-			rr = NewRenderer(cfg)
-		}
-		changed := maps.Clone(pending)
-		changed[bus.ServiceKey{Namespace: "ns1", Name: fmt.Sprintf("svc%d", rnd.IntN(40))}] = true // and maybe others
-		gen := uint64(step + 1)
-		snap := &bus.Snapshot{Generation: gen, State: st, Changed: changed, Since: since, Full: full || step%50 == 0}
-		if full = rnd.IntN(5) == 0; !full { // commit took it
-			since, pending = gen, map[bus.ServiceKey]bool{}
-		}
+		snap := &bus.Snapshot{Generation: uint64(step), State: st, Full: step%50 == 0}
 		got, want := rr.Render(snap), Render(cfg, snap)
 		if last != nil {
-			checkDropped(t, step, last, got, sameNode(lastNode, st.Node) && !restarted)
+			checkDropped(t, step, last, got, sameNode(was.Node, st.Node))
 		}
-		last, lastNode = got, st.Node
+		last = got
 		if g, w := payload(got), payload(want); g != w {
 			t.Fatalf("step %d: cached render differs from a fresh one:\n%s", step, diff(w, g))
 		}
@@ -108,38 +80,6 @@ func checkDropped(t *testing.T, step int, last, now *bus.Plan, complete bool) {
 			t.Fatalf("step %d: %s Dropped %v, want %v", step, tp.Table, tp.Dropped, want)
 		}
 	}
-}
-
-// changedKeys lists the services whose Service or EndpointSlices are not the
-// same values in a and b.
-func changedKeys(a, b bus.State) map[bus.ServiceKey]bool {
-	out := map[bus.ServiceKey]bool{}
-	for _, st := range []bus.State{a, b} {
-		for key := range st.Services {
-			if a.Services[key] != b.Services[key] {
-				out[key] = true
-			}
-		}
-		for key := range st.Slices {
-			if !maps.Equal(a.Slices[key], b.Slices[key]) {
-				out[key] = true
-			}
-		}
-	}
-	return out
-}
-
-// withoutOne returns st without one of its services (and its slices).
-func withoutOne(rnd *rand.Rand, st bus.State) bus.State {
-	keys := slices.SortedFunc(maps.Keys(st.Services), compareKeys)
-	if len(keys) == 0 {
-		return st
-	}
-	key := keys[rnd.IntN(len(keys))]
-	st.Services, st.Slices = maps.Clone(st.Services), maps.Clone(st.Slices)
-	delete(st.Services, key)
-	delete(st.Slices, key)
-	return st
 }
 
 // mutate returns a new state with one random change, sharing everything else.

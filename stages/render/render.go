@@ -84,9 +84,6 @@ type Renderer struct {
 	// natChains and filterChains count the cached services' parts: about the
 	// plan's chains, to size its lists.
 	natChains, filterChains int
-	// last is the generation of the snapshot the cache holds (0: none, or
-	// unknown).
-	last uint64
 }
 
 // cachedService is one service rendered on its own.
@@ -108,7 +105,6 @@ func (rr *Renderer) reset() {
 	rr.nat, rr.filter = newAssembly(), newAssembly()
 	rr.buckets, rr.rebucket = map[netip.Prefix]int{}, true
 	rr.maps, rr.natChains, rr.filterChains = newPlanMaps(), 0, 0
-	rr.last = 0
 }
 
 func natParts(c *cachedService) []part    { return c.r.nat }
@@ -121,17 +117,31 @@ func (rr *Renderer) Render(snap *bus.Snapshot) *bus.Plan {
 		rr.reset()
 	}
 	rr.node = snap.State.Node
-	stale, added := rr.changes(snap)
+	// The cached services first, in order (a map lookup each, not an
+	// iteration of the snapshot's map), then the snapshot's new ones.
+	var stale []bus.ServiceKey
+	for i, c := range rr.services {
+		key := rr.keys[i]
+		if svc := snap.State.Services[key]; svc != c.svc || !sameSlices(c.slices, snap.State.Slices[key]) {
+			stale = append(stale, key)
+		}
+	}
 	for _, key := range stale {
 		rr.replace(key, rr.cache[key], rr.rendered(snap, key))
 	}
-	for _, key := range added {
-		c := rr.rendered(snap, key)
-		rr.account(key, nil, c)
-		rr.cache[key] = c
+	if len(rr.cache) < len(snap.State.Services) {
+		var added []bus.ServiceKey
+		for key := range snap.State.Services {
+			if rr.cache[key] == nil {
+				if c := rr.rendered(snap, key); c != nil {
+					rr.account(key, nil, c)
+					rr.cache[key] = c
+					added = append(added, key)
+				}
+			}
+		}
+		rr.addKeys(added)
 	}
-	rr.addKeys(added)
-	rr.last = snap.Generation
 
 	// The rules that do not come from one service: fixed, dispatch, tail.
 	fixed := newRenderer(rr.cfg, snap)
@@ -163,49 +173,6 @@ func (rr *Renderer) Render(snap *bus.Snapshot) *bus.Plan {
 		rr.filter.payload(nf.TableFilter, rr.services, filterParts, rr.filterChains),
 	}
 	return p
-}
-
-// changes lists the cached services whose Service or EndpointSlices are not
-// snap's (stale), and snap's services the cache does not have (added). When
-// the cache holds snapshot snap.Since or a later one, only snap.Changed can
-// differ (see bus.Snapshot): with one change at 10k services, 1 lookup rather
-// than 10^4, for a family whose commits return at once as often as for one
-// that writes. A full sync looks at every service all the same.
-func (rr *Renderer) changes(snap *bus.Snapshot) (stale, added []bus.ServiceKey) {
-	st := snap.State
-	differs := func(c *cachedService, key bus.ServiceKey) bool {
-		return st.Services[key] != c.svc || !sameSlices(c.slices, st.Slices[key])
-	}
-	if rr.last != 0 && snap.Since != 0 && rr.last >= snap.Since && !snap.Full {
-		for key := range snap.Changed {
-			if c := rr.cache[key]; c != nil && differs(c, key) {
-				stale = append(stale, key)
-			} else if c == nil && st.Services[key] != nil {
-				added = append(added, key)
-			}
-		}
-		slices.SortFunc(stale, compareKeys)
-		return stale, added
-	}
-	// The cached services in order (a map lookup each, not an iteration of
-	// the snapshot's map), then the snapshot's new ones.
-	gone := 0
-	for i, c := range rr.services {
-		if key := rr.keys[i]; differs(c, key) {
-			stale = append(stale, key)
-			if st.Services[key] == nil {
-				gone++
-			}
-		}
-	}
-	if len(rr.cache)-gone < len(st.Services) {
-		for key := range st.Services {
-			if rr.cache[key] == nil {
-				added = append(added, key)
-			}
-		}
-	}
-	return stale, added
 }
 
 // rendered is service key of snap rendered on its own (nil: it has none).
@@ -244,9 +211,6 @@ func (rr *Renderer) replace(key bus.ServiceKey, old, new *cachedService) {
 // and merged in one pass, as inserting 10^4 of them one by one into the sorted
 // slices is quadratic (a tenth of a first render at 10k services).
 func (rr *Renderer) addKeys(added []bus.ServiceKey) {
-	if len(added) == 0 {
-		return
-	}
 	slices.SortFunc(added, compareKeys)
 	keys := make([]bus.ServiceKey, 0, len(rr.keys)+len(added))
 	services := make([]*cachedService, 0, cap(keys))
