@@ -55,7 +55,7 @@ func (b *Bed) Reset(tb testing.TB) {
 		ns.Run(tb, func() error {
 			ctx := context.Background()
 			// Without --noflush, iptables-nft deletes the tables it is given.
-			if err := b.restoreTool().RestoreFlushing(ctx, []byte("*nat\nCOMMIT\n*filter\nCOMMIT\n")); err != nil {
+			if err := restoreTool(b.Family).RestoreFlushing(ctx, []byte("*nat\nCOMMIT\n*filter\nCOMMIT\n")); err != nil {
 				return err
 			}
 			return MakeTables(b.Family)
@@ -66,11 +66,11 @@ func (b *Bed) Reset(tb testing.TB) {
 // MakeTables makes the nat and filter tables, as iptables does, in the network
 // namespace it runs in (a node has them; the netlink writer needs them).
 func MakeTables(family bus.Family) error {
-	return nf.Tool{Family: family, Writer: nf.WriterRestore}.Restore(context.Background(),
+	return restoreTool(family).Restore(context.Background(),
 		[]byte("*nat\n:KUBE-KPX-PRIME - [0:0]\n-X KUBE-KPX-PRIME\nCOMMIT\n*filter\n:KUBE-KPX-PRIME - [0:0]\n-X KUBE-KPX-PRIME\nCOMMIT\n"))
 }
 
-func (b *Bed) restoreTool() nf.Tool { return nf.Tool{Family: b.Family, Writer: nf.WriterRestore} }
+func restoreTool(family bus.Family) nf.Tool { return nf.Tool{Family: family, Writer: nf.WriterRestore} }
 
 // Write writes the payloads, in turn, into both namespaces, each its own way;
 // the netlink side must not fall back to iptables-restore.
@@ -79,7 +79,7 @@ func (b *Bed) Write(tb testing.TB, payloads ...[]byte) {
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
 	defer cancel()
 	for _, p := range payloads {
-		b.Restore.Run(tb, func() error { return b.restoreTool().Restore(ctx, p) })
+		b.Restore.Run(tb, func() error { return restoreTool(b.Family).Restore(ctx, p) })
 		b.Netlink.Run(tb, func() error { return nf.Tool{Family: b.Family}.RestoreNetlink(ctx, p) })
 	}
 }
@@ -88,7 +88,7 @@ func (b *Bed) Write(tb testing.TB, payloads ...[]byte) {
 // writer wrote (another agent's iptables-restore next to kpipe's rules).
 func (b *Bed) RestoreOverNetlink(tb testing.TB, payload []byte) {
 	tb.Helper()
-	b.Netlink.Run(tb, func() error { return b.restoreTool().Restore(context.Background(), payload) })
+	b.Netlink.Run(tb, func() error { return restoreTool(b.Family).Restore(context.Background(), payload) })
 }
 
 var counters = regexp.MustCompile(`\[\d+:\d+\]`)
