@@ -78,7 +78,9 @@ func TestServiceHealthListensOnPlanAddrs(t *testing.T) {
 	neverAnswersOn(t, "127.0.0.2", port)
 
 	// A family that lists no address has no listener of that family.
+	// (127.0.0.3 answered before too: wait for the move, then check it holds.)
 	put(addrList("127.0.0.3"), addrList())
+	eventually(t, func() bool { return !answersOn("127.0.0.1", port) }, "port %d to leave 127.0.0.1", port)
 	waitAnswersOn(t, "127.0.0.3", port)
 	neverAnswersOn(t, "127.0.0.1", port)
 
