@@ -276,8 +276,9 @@ func (s *Stage) take(st *bus.State, synced *bool, fams []*familyState) {
 	}
 }
 
-func (s *Stage) apply(st *bus.State, synced *bool, c bus.Change, seq uint64, fams []*familyState) {
+func (s *Stage) apply(st *bus.State, synced *bool, c bus.Change, seq uint64, all []*familyState) {
 	now := s.now()
+	fams := touched(st, c, all)
 	mark := func(key bus.ServiceKey) {
 		for _, f := range fams {
 			f.dirty = true
@@ -367,8 +368,50 @@ func (s *Stage) apply(st *bus.State, synced *bool, c bus.Change, seq uint64, fam
 	}
 	for _, f := range fams {
 		s.metrics.LastQueued.WithLabelValues(f.Family.Family.String()).SetToCurrentTime()
+		f.status.Update(func(r *bus.Report) { r.LastQueued = now })
 	}
-	s.publish(fams, now)
+	s.publish(fams)
+}
+
+// touched returns the families whose rules change c, applied to st (which
+// does not hold it yet), can change. A Service is a family's when it has a
+// ClusterIP of it, before or after; an EndpointSlice is its address family's;
+// the Node and the local addresses, and a replay, are everyone's. So a
+// family's pipeline is not handed a snapshot, nor counted queued, for changes
+// it renders nothing from: the IPv6 pipeline of an IPv4 cluster stays idle
+// through an IPv4 churn. kube-proxy's per-family proxiers see the same: a
+// Service without a ClusterIP of the proxier's family is no change to it.
+func touched(st *bus.State, c bus.Change, all []*familyState) []*familyState {
+	var has func(bus.Family) bool
+	switch c.Kind {
+	case bus.ServiceChanged:
+		old := st.Services[c.Key]
+		has = func(f bus.Family) bool { return hasClusterIP(old, f) || hasClusterIP(c.Service, f) }
+	case bus.SliceChanged:
+		old := st.Slices[c.Key][c.SliceName]
+		has = func(f bus.Family) bool { return old != nil && old.Family == f || c.Slice != nil && c.Slice.Family == f }
+	default:
+		return all
+	}
+	var out []*familyState
+	for _, f := range all {
+		if has(f.Family.Family) {
+			out = append(out, f)
+		}
+	}
+	return out
+}
+
+func hasClusterIP(svc *bus.Service, f bus.Family) bool {
+	if svc == nil {
+		return false
+	}
+	for _, ip := range svc.ClusterIPs {
+		if bus.FamilyOf(ip) == f {
+			return true
+		}
+	}
+	return false
 }
 
 // resend sends the current state again: a restarted render or commit lost the
@@ -430,7 +473,7 @@ func (s *Stage) result(f *familyState) {
 		}
 		delete(f.pending, k)
 	}
-	s.publish([]*familyState{f}, now)
+	s.publish([]*familyState{f})
 }
 
 func (s *Stage) send(f *familyState, st *bus.State, gen, seq uint64, now time.Time) {
@@ -453,9 +496,9 @@ func (s *Stage) send(f *familyState, st *bus.State, gen, seq uint64, now time.Ti
 }
 
 // publish reports pending changes for /healthz and the pending metrics.
-func (s *Stage) publish(fams []*familyState, now time.Time) {
+func (s *Stage) publish(fams []*familyState) {
 	for _, f := range fams {
-		f.status.Update(func(r *bus.Report) { r.PendingSince = f.oldest; r.LastQueued = now })
+		f.status.Update(func(r *bus.Report) { r.PendingSince = f.oldest })
 	}
 	if len(fams) > 0 && fams[0].Family.Family == s.families[0].Family {
 		s.metrics.ServicesPending.Set(float64(fams[0].pendingServices))

@@ -4,11 +4,13 @@ import (
 	"context"
 	"fmt"
 	"net/netip"
+	"slices"
 	"testing"
 	"testing/synctest"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
+	dto "github.com/prometheus/client_model/go"
 
 	"github.com/kpipe/kpipe/bus"
 	"github.com/kpipe/kpipe/metrics"
@@ -677,20 +679,26 @@ func programming(reg *prometheus.Registry) (uint64, float64) { return programmin
 
 // programmingOf is one family's series of kubeproxy_network_programming_duration_seconds.
 func programmingOf(reg *prometheus.Registry, family string) (uint64, float64) {
+	h := familySeries(reg, "kubeproxy_network_programming_duration_seconds", family).GetHistogram()
+	return h.GetSampleCount(), h.GetSampleSum()
+}
+
+// familySeries is the ip_family=family series of the metric name (nil: none).
+func familySeries(reg *prometheus.Registry, name, family string) *dto.Metric {
 	mfs, _ := reg.Gather()
 	for _, mf := range mfs {
-		if mf.GetName() != "kubeproxy_network_programming_duration_seconds" {
+		if mf.GetName() != name {
 			continue
 		}
 		for _, m := range mf.GetMetric() {
 			for _, l := range m.GetLabel() {
 				if l.GetName() == "ip_family" && l.GetValue() == family {
-					return m.GetHistogram().GetSampleCount(), m.GetHistogram().GetSampleSum()
+					return m
 				}
 			}
 		}
 	}
-	return 0, 0
+	return nil
 }
 
 // TestNetworkProgrammingLatencyPerFamily: on a dual-stack node each family
@@ -706,10 +714,11 @@ func TestNetworkProgrammingLatencyPerFamily(t *testing.T) {
 	}
 	commitBoth()
 	for _, ip := range []string{"10.244.0.1", "fd00:10:244::1"} {
-		sl := slice(keyA, "a-"+bus.FamilyOf(netip.MustParseAddr(ip)).String(), ip)
+		family := bus.FamilyOf(netip.MustParseAddr(ip))
+		sl := slice(keyA, "a-"+family.String(), ip)
 		sl.TriggerTime = time.Now()
 		h.send(bus.Change{Kind: bus.SliceChanged, Key: keyA, SliceName: sl.Name, Slice: sl})
-		commitBoth()
+		h.answer(family, h.take(family), true) // a slice is only its family's change
 	}
 	eventually(t, "one latency sample per family", func() bool {
 		n4, _ := programmingOf(h.reg, "IPv4")
@@ -841,4 +850,59 @@ func TestAnyNumberOfFamilies(t *testing.T) {
 		t.Error("the third family's resync brought no full snapshot")
 	}
 	h.none(bus.IPv4, "IPv4 after the third family's resync")
+}
+
+// TestFamilyIsHandedOnlyItsChanges: a family's pipeline gets a snapshot, and
+// its queued time moves, only for a change it can render something from (as
+// kube-proxy's per-family proxiers): a Service with a ClusterIP of the family,
+// before or after, an EndpointSlice of the family, the Node. The IPv6 pipeline
+// of an IPv4 cluster stays idle through an IPv4 churn.
+func TestFamilyIsHandedOnlyItsChanges(t *testing.T) {
+	h := start(t, coalesce.Config{}, bus.IPv4, bus.IPv6)
+	h.send(replayOf(svc(keyA, "10.96.0.1")))
+	for _, f := range []bus.Family{bus.IPv4, bus.IPv6} {
+		h.answer(f, h.take(f), true)
+	}
+	dual := svc(keyC, "10.96.0.10")
+	dual.ClusterIPs = append(dual.ClusterIPs, netip.MustParseAddr("fd00:10:96::a"))
+	steps := []struct {
+		what   string
+		change bus.Change
+		want   []bus.Family
+	}{
+		{"an IPv4 service changed", bus.Change{Kind: bus.ServiceChanged, Key: keyA, Service: svc(keyA, "10.96.0.1")}, []bus.Family{bus.IPv4}},
+		{"an IPv4 slice", bus.Change{Kind: bus.SliceChanged, Key: keyA, SliceName: "a4", Slice: slice(keyA, "a4", "10.244.0.1")}, []bus.Family{bus.IPv4}},
+		{"an IPv6 slice of that service", bus.Change{Kind: bus.SliceChanged, Key: keyA, SliceName: "a6", Slice: slice(keyA, "a6", "fd00:10:244::1")}, []bus.Family{bus.IPv6}},
+		{"a dual-stack service", bus.Change{Kind: bus.ServiceChanged, Key: keyC, Service: dual}, []bus.Family{bus.IPv4, bus.IPv6}},
+		{"the dual-stack service made IPv4 only", bus.Change{Kind: bus.ServiceChanged, Key: keyC, Service: svc(keyC, "10.96.0.10")}, []bus.Family{bus.IPv4, bus.IPv6}},
+		{"the IPv4 slice deleted", bus.Change{Kind: bus.SliceChanged, Key: keyA, SliceName: "a4"}, []bus.Family{bus.IPv4}},
+		{"the IPv6 slice deleted", bus.Change{Kind: bus.SliceChanged, Key: keyA, SliceName: "a6"}, []bus.Family{bus.IPv6}},
+		{"the IPv4 service deleted", bus.Change{Kind: bus.ServiceChanged, Key: keyA}, []bus.Family{bus.IPv4}},
+		{"a slice deleted that was never there", bus.Change{Kind: bus.SliceChanged, Key: keyB, SliceName: "b4"}, nil},
+		{"the node changed", bus.Change{Kind: bus.NodeChanged, Node: &bus.Node{Name: "node-1", Zone: "b"}}, []bus.Family{bus.IPv4, bus.IPv6}},
+	}
+	for _, step := range steps {
+		queued := map[bus.Family]float64{}
+		for _, f := range []bus.Family{bus.IPv4, bus.IPv6} {
+			queued[f] = lastQueuedOf(h.reg, f)
+		}
+		time.Sleep(2 * time.Millisecond) // a queued time set by this step is a later one
+		h.send(step.change)
+		for _, f := range []bus.Family{bus.IPv4, bus.IPv6} {
+			if slices.Contains(step.want, f) {
+				h.answer(f, h.take(f), true)
+				continue
+			}
+			h.none(f, step.what)
+			if got := lastQueuedOf(h.reg, f); got != queued[f] {
+				t.Errorf("%s: %v last queued at %.3f, was %.3f; want unchanged", step.what, f, got, queued[f])
+			}
+		}
+	}
+}
+
+// lastQueuedOf reads kubeproxy_sync_proxy_rules_last_queued_timestamp_seconds
+// of family (0: never set).
+func lastQueuedOf(reg *prometheus.Registry, family bus.Family) float64 {
+	return familySeries(reg, "kubeproxy_sync_proxy_rules_last_queued_timestamp_seconds", family.String()).GetGauge().GetValue()
 }
