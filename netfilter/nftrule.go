@@ -43,15 +43,35 @@ type ipHeader struct {
 }
 
 // ruleTranslator turns one family's iptables rules, as kpipe writes them, into
-// the expressions iptables-nft 1.8.9 would write for them.
-type ruleTranslator struct{ family bus.Family }
+// the expressions iptables-nft 1.8.9 would write for them. One made by
+// newRuleTranslator reuses its match parser from rule to rule (a map a rule
+// was a tenth of a 10k-service encoding's allocations), so it serves one
+// goroutine at a time.
+type ruleTranslator struct {
+	family bus.Family
+	reused *matchParser // nil: a new parser for each rule
+}
+
+func newRuleTranslator(family bus.Family) ruleTranslator {
+	return ruleTranslator{family: family, reused: &matchParser{}}
+}
+
+// parser returns an empty match parser for one rule.
+func (x ruleTranslator) parser() *matchParser {
+	m := x.reused
+	if m == nil {
+		return &matchParser{x: x}
+	}
+	*m = matchParser{x: x, opts: m.opts, needProto: m.needProto[:0]}
+	return m
+}
 
 // translate reads the arguments of one "-A" line (after "-A CHAIN").
 func (x ruleTranslator) translate(chain string, args []string) (nftRule, error) {
 	var h ipHeader
 	var matches []expr
 	var target []expr
-	m := &matchParser{x: x}
+	m := x.parser()
 	invert := false
 	for i := 0; i < len(args); i++ {
 		arg := args[i]

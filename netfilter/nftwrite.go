@@ -52,7 +52,7 @@ func (s *nftSection) add(typ int, flags uint16, family uint8, what nftWhat, body
 // translatePayload turns a payload into batches, or errUntranslatable. The
 // batches keep slices of payload (chain names, for errors): it must not change.
 func translatePayload(family bus.Family, payload []byte) ([]nftSection, error) {
-	x := ruleTranslator{family: family}
+	x := newRuleTranslator(family)
 	proto := nfproto(family)
 	var out []nftSection
 	var cur *nftSection
