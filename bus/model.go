@@ -93,6 +93,22 @@ type Port struct {
 	NodePort int32 // 0: none
 }
 
+// ClusterIPOf is the Service's first ClusterIP of family f. A Service without
+// one is no Service of that family: its pipeline renders nothing for it, and a
+// change to it is none of that family's (kube-proxy's per-family proxiers skip
+// it likewise). A nil Service has none.
+func (s *Service) ClusterIPOf(f Family) (netip.Addr, bool) {
+	if s == nil {
+		return netip.Addr{}, false
+	}
+	for _, ip := range s.ClusterIPs {
+		if FamilyOf(ip) == f {
+			return ip, true
+		}
+	}
+	return netip.Addr{}, false
+}
+
 // PortName is the ServicePortName of one of this Service's ports.
 func (s *Service) PortName(p Port) ServicePortName {
 	return ServicePortName{ServiceKey: s.ServiceKey, Port: p.Name, Protocol: p.Protocol}

@@ -27,13 +27,12 @@ func (t Tool) ExpectedDigest(ctx context.Context, table, rules string) (digest u
 // it, hashed as Digests hashes the kernel's listing.
 func expectedDigest(family bus.Family, table, rules string) (digest uint64, ok bool) {
 	s := digestScratches.Get().(*digestScratch)
-	defer digestScratches.Put(s)
 	if s.x.family != family {
 		s.x = newRuleTranslator(family)
 	}
 	x, n, d := s.x, &s.n, newDigest()
 	args := s.args[:0]
-	defer func() { s.args = args[:0] }()
+	defer func() { s.args = args[:0]; digestScratches.Put(s) }()
 	for line := range strings.Lines(rules) {
 		line = strings.TrimSpace(line)
 		if line == "" {

@@ -43,27 +43,22 @@ type ipHeader struct {
 }
 
 // ruleTranslator turns one family's iptables rules, as kpipe writes them, into
-// the expressions iptables-nft 1.8.9 would write for them. One made by
-// newRuleTranslator reuses its match parser from rule to rule (a map a rule
-// was a tenth of a 10k-service encoding's allocations), so it serves one
-// goroutine at a time.
+// the expressions iptables-nft 1.8.9 would write for them. It reuses its match
+// parser from rule to rule (a map a rule was a tenth of a 10k-service
+// encoding's allocations), so it serves one goroutine at a time.
 type ruleTranslator struct {
 	family bus.Family
-	reused *matchParser // nil: a new parser for each rule
+	m      *matchParser
 }
 
 func newRuleTranslator(family bus.Family) ruleTranslator {
-	return ruleTranslator{family: family, reused: &matchParser{}}
+	return ruleTranslator{family: family, m: &matchParser{}}
 }
 
-// parser returns an empty match parser for one rule.
+// parser returns the match parser, emptied for the next rule.
 func (x ruleTranslator) parser() *matchParser {
-	m := x.reused
-	if m == nil {
-		return &matchParser{x: x}
-	}
-	*m = matchParser{x: x, opts: m.opts, needProto: m.needProto[:0]}
-	return m
+	*x.m = matchParser{x: x, opts: x.m.opts, needProto: x.m.needProto[:0]}
+	return x.m
 }
 
 // translate reads the arguments of one "-A" line (after "-A CHAIN").

@@ -368,9 +368,8 @@ func (s *Stage) apply(st *bus.State, synced *bool, c bus.Change, seq uint64, all
 	}
 	for _, f := range fams {
 		s.metrics.LastQueued.WithLabelValues(f.Family.Family.String()).SetToCurrentTime()
-		f.status.Update(func(r *bus.Report) { r.LastQueued = now })
 	}
-	s.publish(fams)
+	s.publish(fams, now)
 }
 
 // touched returns the families whose rules change c, applied to st (which
@@ -386,7 +385,11 @@ func touched(st *bus.State, c bus.Change, all []*familyState) []*familyState {
 	switch c.Kind {
 	case bus.ServiceChanged:
 		old := st.Services[c.Key]
-		has = func(f bus.Family) bool { return hasClusterIP(old, f) || hasClusterIP(c.Service, f) }
+		has = func(f bus.Family) bool {
+			_, before := old.ClusterIPOf(f)
+			_, after := c.Service.ClusterIPOf(f)
+			return before || after
+		}
 	case bus.SliceChanged:
 		old := st.Slices[c.Key][c.SliceName]
 		has = func(f bus.Family) bool { return old != nil && old.Family == f || c.Slice != nil && c.Slice.Family == f }
@@ -400,18 +403,6 @@ func touched(st *bus.State, c bus.Change, all []*familyState) []*familyState {
 		}
 	}
 	return out
-}
-
-func hasClusterIP(svc *bus.Service, f bus.Family) bool {
-	if svc == nil {
-		return false
-	}
-	for _, ip := range svc.ClusterIPs {
-		if bus.FamilyOf(ip) == f {
-			return true
-		}
-	}
-	return false
 }
 
 // resend sends the current state again: a restarted render or commit lost the
@@ -473,7 +464,7 @@ func (s *Stage) result(f *familyState) {
 		}
 		delete(f.pending, k)
 	}
-	s.publish([]*familyState{f})
+	s.publish([]*familyState{f}, time.Time{})
 }
 
 func (s *Stage) send(f *familyState, st *bus.State, gen, seq uint64, now time.Time) {
@@ -496,9 +487,15 @@ func (s *Stage) send(f *familyState, st *bus.State, gen, seq uint64, now time.Ti
 }
 
 // publish reports pending changes for /healthz and the pending metrics.
-func (s *Stage) publish(fams []*familyState) {
+// queued, unless zero, is when a change was queued for them.
+func (s *Stage) publish(fams []*familyState, queued time.Time) {
 	for _, f := range fams {
-		f.status.Update(func(r *bus.Report) { r.PendingSince = f.oldest })
+		f.status.Update(func(r *bus.Report) {
+			r.PendingSince = f.oldest
+			if !queued.IsZero() {
+				r.LastQueued = queued
+			}
+		})
 	}
 	if len(fams) > 0 && fams[0].Family.Family == s.families[0].Family {
 		s.metrics.ServicesPending.Set(float64(fams[0].pendingServices))

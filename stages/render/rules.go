@@ -150,14 +150,14 @@ func (r *renderer) ofFamily(addrs []netip.Addr) []netip.Addr {
 }
 
 func (r *renderer) writeServicePort(svc *bus.Service, port bus.Port) {
-	cips := r.ofFamily(svc.ClusterIPs)
-	if len(cips) == 0 {
+	clusterIP, ok := svc.ClusterIPOf(r.cfg.Family)
+	if !ok {
 		return // not a service of this family
 	}
 	name := svc.PortName(port)
 	sp := &servicePort{
 		svc: svc, port: port, name: name, label: name.String(),
-		clusterIP: cips[0], externals: r.ofFamily(svc.ExternalIPs), lbIPs: r.ofFamily(svc.LoadBalancerIPs),
+		clusterIP: clusterIP, externals: r.ofFamily(svc.ExternalIPs), lbIPs: r.ofFamily(svc.LoadBalancerIPs),
 		intLocal: svc.InternalPolicyLocal,
 		svcChain: nf.ServiceChain(nf.PrefixService, name), svlChain: nf.ServiceChain(nf.PrefixServiceLocal, name),
 		extChain: nf.ServiceChain(nf.PrefixExternal, name), fwChain: nf.ServiceChain(nf.PrefixFirewall, name),
