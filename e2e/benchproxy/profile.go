@@ -62,6 +62,27 @@ func (p profiler) churn() <-chan error {
 	return done
 }
 
+// restart starts the CPU profile of a restarted kpipe's first seconds, as
+// soon as its pprof listener answers; the channel gives its outcome when it
+// is saved (a nil channel when profiles are off).
+func (p profiler) restart() <-chan error {
+	if !p.on {
+		return nil
+	}
+	done := make(chan error, 1)
+	go func() {
+		var err error
+		for range 50 {
+			if err = p.save("profile?seconds=4", "restart.cpu", 4); err == nil {
+				break
+			}
+			time.Sleep(20 * time.Millisecond)
+		}
+		done <- err
+	}()
+	return done
+}
+
 // save GETs the pprof profile at what, which takes seconds to take, into
 // the run's file suffix.
 func (p profiler) save(what, suffix string, seconds int) error {
