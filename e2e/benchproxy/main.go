@@ -383,12 +383,17 @@ func restart(ctx context.Context, tb *testbed.Testbed, w *workload, k kernel, p 
 		if err := w.replaceEndpoint(ctx, s); err != nil {
 			return r, err
 		}
-		seen, err := k.waitFor(s, 5*time.Minute, running(ctx, again.p, "restarted kpipe"))
+		alive := running(ctx, again.p, "restarted kpipe")
+		seen, err := k.waitFor(s, 5*time.Minute, alive)
 		if err != nil {
 			return r, err
 		}
 		r.change = append(r.change, seen.Sub(again.start))
-		time.Sleep(time.Second) // the rest of the restarted full sync, if any
+		// Its full sync is done too (the change may have come after it), and
+		// with it any rewrite the restart made.
+		if err := waitSynced(tb, k.node.NS, time.Minute, alive); err != nil {
+			return r, err
+		}
 		txns, bytes, lost := again.writes.stop()
 		r.txns, r.bytes, r.lost = max(r.txns, txns), max(r.bytes, bytes), r.lost || lost
 		if again.profiled != nil {
@@ -403,7 +408,7 @@ func restart(ctx context.Context, tb *testbed.Testbed, w *workload, k kernel, p 
 			return r, err
 		}
 		defer func() { _ = synced.p.Stop(15 * time.Second) }()
-		alive := running(ctx, synced.p, "restarted kpipe")
+		alive = running(ctx, synced.p, "restarted kpipe")
 		if err := waitSynced(tb, k.node.NS, time.Minute, alive); err != nil {
 			return r, err
 		}
@@ -459,10 +464,10 @@ func startAgain(tb *testbed.Testbed, k kernel, p *testbed.Process, argv []string
 }
 
 // waitSynced waits for kpipe in ns to report its first IPv4 sync done, on
-// its metrics address (kube-proxy's last-sync gauge).
+// its metrics address (kube-proxy's last-sync gauge), polled every 50 ms.
 func waitSynced(tb *testbed.Testbed, ns string, limit time.Duration, alive func() error) error {
 	const synced = `kubeproxy_sync_proxy_rules_last_timestamp_seconds{ip_family="IPv4"}`
-	for end := time.Now().Add(limit); time.Now().Before(end); time.Sleep(20 * time.Millisecond) {
+	for end := time.Now().Add(limit); time.Now().Before(end); time.Sleep(50 * time.Millisecond) {
 		if err := alive(); err != nil {
 			return err
 		}
