@@ -540,15 +540,6 @@ func ms(d time.Duration) string {
 	return strconv.FormatInt(d.Round(time.Millisecond).Milliseconds(), 10)
 }
 
-// series is a latency series' p50/p99, with its size when the budget cut it short.
-// median is the middle of sorted (zero when empty).
-func median(sorted []time.Duration) time.Duration {
-	if len(sorted) == 0 {
-		return 0
-	}
-	return sorted[len(sorted)/2]
-}
-
 // msList is sorted in milliseconds: "[2950 3131 3200]".
 func msList(sorted []time.Duration) string {
 	out := make([]string, len(sorted))
@@ -558,6 +549,7 @@ func msList(sorted []time.Duration) string {
 	return "[" + strings.Join(out, " ") + "]"
 }
 
+// series is a latency series' p50/p99, with its size when the budget cut it short.
 func series(sorted []time.Duration) string {
 	out := ms(percentile(sorted, 50)) + "/" + ms(percentile(sorted, 99))
 	if len(sorted) < changeCount {
@@ -590,9 +582,9 @@ func printRow(proxy string, minSync time.Duration, r result) {
 		}
 		rs := r.restart
 		fmt.Printf("%-9s %-8v restarted over its rules, a change made as it starts: in the kernel after %s ms (median of %v); written meanwhile at most %d txns, %d bytes%s\n",
-			"", "", ms(median(rs.change)), msList(rs.change), rs.txns, rs.bytes, lost)
+			"", "", ms(percentile(rs.change, 50)), msList(rs.change), rs.txns, rs.bytes, lost)
 		fmt.Printf("%-9s %-8v restarted, nothing changed: synced in %s ms (%v), writing at most %d txns, %d bytes; the first change after it %s ms (%v)\n",
-			"", "", ms(median(rs.synced)), msList(rs.synced), rs.syncedTxns, rs.syncedBytes, ms(median(rs.changeSynced)), msList(rs.changeSynced))
+			"", "", ms(percentile(rs.synced, 50)), msList(rs.synced), rs.syncedTxns, rs.syncedBytes, ms(percentile(rs.changeSynced, 50)), msList(rs.changeSynced))
 	}
 }
 
