@@ -381,6 +381,7 @@ func restart(ctx context.Context, tb *testbed.Testbed, w *workload, k kernel, p 
 			return r, err
 		}
 		defer func() { _ = again.p.Stop(15 * time.Second) }()
+		defer again.writes.stop() // when a round fails; counted below
 		s := w.svcs[rand.IntN(len(w.svcs))]
 		if err := w.replaceEndpoint(ctx, s); err != nil {
 			return r, err
@@ -410,6 +411,7 @@ func restart(ctx context.Context, tb *testbed.Testbed, w *workload, k kernel, p 
 			return r, err
 		}
 		defer func() { _ = synced.p.Stop(15 * time.Second) }()
+		defer synced.writes.stop()
 		alive = running(ctx, synced.p, "restarted kpipe")
 		if err := waitSynced(tb, k.node.NS, time.Minute, alive); err != nil {
 			return r, err

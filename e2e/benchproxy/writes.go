@@ -28,8 +28,9 @@ const (
 // the same but cannot keep up: with a 1,000-service iptables ruleset it
 // reports nothing for half a minute.
 type writeCounter struct {
-	conn *netlink.Conn
-	done chan struct{}
+	conn    *netlink.Conn
+	done    chan struct{}
+	stopped sync.Once
 
 	mu           sync.Mutex
 	transactions int
@@ -97,11 +98,14 @@ func (w *writeCounter) read() {
 	}
 }
 
-// stop ends the counting and returns the counts.
+// stop ends the counting and returns the counts; called again, it returns
+// them again.
 func (w *writeCounter) stop() (transactions, bytes int, lost bool) {
-	time.Sleep(200 * time.Millisecond) // let the reader take what is queued
-	w.conn.Close()
-	<-w.done
+	w.stopped.Do(func() {
+		time.Sleep(200 * time.Millisecond) // let the reader take what is queued
+		w.conn.Close()
+		<-w.done
+	})
 	w.mu.Lock()
 	defer w.mu.Unlock()
 	return w.transactions, w.bytes, w.lost
