@@ -220,7 +220,7 @@ func proxyArgs(tb *testbed.Testbed, mode string, minSync time.Duration) []string
 		"--iptables-min-sync-period", minSync.String(),
 		"--iptables-sync-period", syncPeriod,
 		"--healthz-bind-address", "127.0.0.1:10256",
-		"--metrics-bind-address", "127.0.0.1:10249",
+		"--metrics-bind-address", strings.TrimPrefix(testbed.MetricsURL, "http://"),
 		"--conntrack-max-per-core", "0",
 	}
 }
@@ -313,7 +313,7 @@ func benchOne(ctx context.Context, tb *testbed.Testbed, w *workload, proxy, bin 
 		return r, err
 	}
 	defer writes.stop()
-	profiled := prof.churn()
+	profiled := prof.cpu("churn.cpu", int(churnSpread/time.Second)+3)
 	last, lastSvc, took, err := w.churn(ctx, churnUpdates, churnSpread)
 	if err != nil {
 		return r, fmt.Errorf("churn: %w", err)
@@ -382,12 +382,8 @@ func restart(ctx context.Context, tb *testbed.Testbed, w *workload, k kernel, p 
 		}
 		defer func() { _ = again.p.Stop(15 * time.Second) }()
 		defer again.writes.stop() // when a round fails; counted below
-		s := w.svcs[rand.IntN(len(w.svcs))]
-		if err := w.replaceEndpoint(ctx, s); err != nil {
-			return r, err
-		}
 		alive := running(ctx, again.p, "restarted kpipe")
-		seen, err := k.waitFor(s, 5*time.Minute, alive)
+		_, _, seen, err := changeOne(ctx, w, k, alive, 5*time.Minute)
 		if err != nil {
 			return r, err
 		}
@@ -419,12 +415,8 @@ func restart(ctx context.Context, tb *testbed.Testbed, w *workload, k kernel, p 
 		r.synced = append(r.synced, time.Since(synced.start))
 		txns, bytes, lost = synced.writes.stop()
 		r.syncedTxns, r.syncedBytes, r.lost = max(r.syncedTxns, txns), max(r.syncedBytes, bytes), r.lost || lost
-		s = w.svcs[rand.IntN(len(w.svcs))]
-		t := time.Now()
-		if err := w.replaceEndpoint(ctx, s); err != nil {
-			return r, err
-		}
-		if seen, err = k.waitFor(s, time.Minute, alive); err != nil {
+		t, _, seen, err := changeOne(ctx, w, k, alive, time.Minute)
+		if err != nil {
 			return r, err
 		}
 		r.changeSynced = append(r.changeSynced, seen.Sub(t))
@@ -462,7 +454,7 @@ func startAgain(tb *testbed.Testbed, k kernel, p *testbed.Process, argv []string
 		return st, err
 	}
 	if profile {
-		st.profiled = newProfiler(tb, k.node.NS, name, "kpipe", 0).restart()
+		st.profiled = newProfiler(tb, k.node.NS, name, "kpipe", 0).cpu("restart.cpu", 4)
 	}
 	return st, nil
 }
@@ -470,19 +462,13 @@ func startAgain(tb *testbed.Testbed, k kernel, p *testbed.Process, argv []string
 // waitSynced waits for kpipe in ns to report its first IPv4 sync done, on
 // its metrics address (kube-proxy's last-sync gauge), polled every 50 ms.
 func waitSynced(tb *testbed.Testbed, ns string, limit time.Duration, alive func() error) error {
-	const synced = `kubeproxy_sync_proxy_rules_last_timestamp_seconds{ip_family="IPv4"}`
 	for end := time.Now().Add(limit); time.Now().Before(end); time.Sleep(50 * time.Millisecond) {
 		if err := alive(); err != nil {
 			return err
 		}
-		code, body, err := tb.HTTPGetWithin(ns, "http://127.0.0.1:10249/metrics", time.Second)
-		if err != nil || code != 200 {
-			continue
-		}
-		for line := range strings.Lines(string(body)) {
-			if v, ok := strings.CutPrefix(line, synced+" "); ok && strings.TrimSpace(v) != "0" {
-				return nil
-			}
+		m, err := tb.ScrapeMetrics(ns, testbed.MetricsURL+"/metrics")
+		if err == nil && testbed.Sum(m, "kubeproxy_sync_proxy_rules_last_timestamp_seconds", map[string]string{"ip_family": "IPv4"}) > 0 {
+			return nil
 		}
 	}
 	return fmt.Errorf("restarted kpipe reported no sync in %v", limit)
@@ -496,6 +482,20 @@ func running(ctx context.Context, p *testbed.Process, what string) func() error 
 		}
 		return ctx.Err()
 	}
+}
+
+// changeOne replaces one endpoint of a random service and waits, up to
+// limit, for the kernel to hold it: when the API write began, how long it
+// took, and when the kernel was seen holding the change.
+func changeOne(ctx context.Context, w *workload, k kernel, alive func() error, limit time.Duration) (began time.Time, wrote time.Duration, seen time.Time, err error) {
+	s := w.svcs[rand.IntN(len(w.svcs))]
+	began = time.Now()
+	if err = w.replaceEndpoint(ctx, s); err != nil {
+		return began, 0, time.Time{}, err
+	}
+	wrote = time.Since(began)
+	seen, err = k.waitFor(s, limit, alive)
+	return began, wrote, seen, err
 }
 
 // latencies makes changeCount endpoint changes (fewer past seriesBudget), each at a random service,
@@ -516,16 +516,11 @@ func latencies(ctx context.Context, w *workload, k kernel, alive func() error, g
 			break
 		}
 		time.Sleep(gap)
-		s := w.svcs[rand.IntN(len(w.svcs))]
-		t := time.Now()
-		if err := w.replaceEndpoint(ctx, s); err != nil {
-			return nil, err
-		}
-		api = append(api, time.Since(t))
-		seen, err := k.waitFor(s, 2*time.Minute, alive)
+		t, wrote, seen, err := changeOne(ctx, w, k, alive, 2*time.Minute)
 		if err != nil {
 			return nil, err
 		}
+		api = append(api, wrote)
 		out = append(out, seen.Sub(t))
 	}
 	slices.Sort(out)

@@ -1,9 +1,11 @@
 package main
 
 import (
+	"errors"
 	"fmt"
 	"os"
 	"path/filepath"
+	"syscall"
 	"time"
 
 	"github.com/kpipe/kpipe/e2e/testbed"
@@ -50,33 +52,20 @@ func (p profiler) at(phase string) {
 	}
 }
 
-// churn starts the CPU profile of the churn; the channel gives its outcome
-// when it is saved (a nil channel when profiles are off).
-func (p profiler) churn() <-chan error {
-	if !p.on {
-		return nil
-	}
-	done := make(chan error, 1)
-	seconds := int(churnSpread/time.Second) + 3
-	go func() { done <- p.save(fmt.Sprintf("profile?seconds=%d", seconds), "churn.cpu", seconds) }()
-	return done
-}
-
-// restart starts the CPU profile of a restarted kpipe's first seconds, as
-// soon as its pprof listener answers; the channel gives its outcome when it
-// is saved (a nil channel when profiles are off).
-func (p profiler) restart() <-chan error {
+// cpu starts a CPU profile of the next seconds into the run's file suffix,
+// as soon as kpipe's pprof listener answers (a process just started opens
+// it within a second); the channel gives its outcome when it is saved (a
+// nil channel when profiles are off).
+func (p profiler) cpu(suffix string, seconds int) <-chan error {
 	if !p.on {
 		return nil
 	}
 	done := make(chan error, 1)
 	go func() {
-		var err error
-		for range 50 {
-			if err = p.save("profile?seconds=4", "restart.cpu", 4); err == nil {
-				break
-			}
+		err := p.save(fmt.Sprintf("profile?seconds=%d", seconds), suffix, seconds)
+		for tries := 1; errors.Is(err, syscall.ECONNREFUSED) && tries < 50; tries++ {
 			time.Sleep(20 * time.Millisecond)
+			err = p.save(fmt.Sprintf("profile?seconds=%d", seconds), suffix, seconds)
 		}
 		done <- err
 	}()
@@ -86,7 +75,7 @@ func (p profiler) restart() <-chan error {
 // save GETs the pprof profile at what, which takes seconds to take, into
 // the run's file suffix.
 func (p profiler) save(what, suffix string, seconds int) error {
-	url := "http://127.0.0.1:10249/debug/pprof/" + what
+	url := testbed.MetricsURL + "/debug/pprof/" + what
 	code, body, err := p.tb.HTTPGetWithin(p.ns, url, time.Duration(seconds+30)*time.Second)
 	if err == nil && code != 200 {
 		err = fmt.Errorf("%s: HTTP %d: %s", url, code, body)
