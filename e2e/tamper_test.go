@@ -23,18 +23,19 @@ const (
 	agentChain   = "KPE2E-AGENT"
 	agentComment = "kpe2e agent"
 	// agentFirst is the comment of the rule another agent inserts in front of
-	// kpipe's jump in PREROUTING: it stops service traffic there until kpipe's
-	// jump is in front again.
+	// kpipe's jump in PREROUTING (a jump to its chain, which returns): kpipe
+	// leaves it there.
 	agentFirst = "kpe2e agent first"
 )
 
 // TestTamperRepairedWithinASecond: with the default sync period (30 s) and canary
 // interval, whatever another writer does to kpipe's rules — a table flushed, a
-// chain deleted, the nat table deleted, a jump deleted, a rule put in front of
-// kpipe's jump, a service chain edited — is repaired within a second: the kernel
-// holds kpipe's rules as before and the service answers again. Another agent's
-// chains and rules stay as the tamper left them, and the rule put in front of
-// kpipe's jump stays, behind it. Each case's repair time is printed.
+// chain deleted, the nat table deleted, a jump deleted, a service chain edited —
+// is repaired within a second: the kernel holds kpipe's rules as before and the
+// service answers again. Another agent's chains and rules stay as the tamper
+// left them. A rule another agent puts in front of kpipe's jump is no tamper:
+// it stays in front, as under kube-proxy, and kpipe's jump stays behind it.
+// Each case's repair time is printed.
 func TestTamperRepairedWithinASecond(t *testing.T) {
 	e, svc, addr, client := answeringEcho(t)
 	e.restartKpipe("--iptables-sync-period", "30s", "--iptables-min-sync-period", "1s", "--canary-interval", "30s")
@@ -59,7 +60,8 @@ func TestTamperRepairedWithinASecond(t *testing.T) {
 		// gone: the tables whose agent rules the tamper removes (flushed: the
 		// agent's chain stays) or, in deleted, with the agent's chain.
 		flushed, deleted []string
-		// first: another agent's rule put in front of kpipe's PREROUTING jump.
+		// first: another agent's rule put in front of kpipe's PREROUTING jump,
+		// which must stay there.
 		first bool
 		// trafficBreaks: the tamper stops the service (else traffic is only checked to work).
 		trafficBreaks bool
@@ -76,8 +78,8 @@ func TestTamperRepairedWithinASecond(t *testing.T) {
 			ipt(append([]string{"-t", "nat", "-D", "PREROUTING"}, servicePortals...)...),
 			ipt(append([]string{"-t", "nat", "-D", "OUTPUT"}, servicePortals...)...)}, trafficBreaks: true},
 		{name: "a rule inserted in front of kpipe's PREROUTING jump", cmds: [][]string{
-			ipt("-t", "nat", "-I", "PREROUTING", "1", "-p", "tcp", "-m", "comment", "--comment", agentFirst, "-j", "RETURN")},
-			first: true, trafficBreaks: true},
+			ipt("-t", "nat", "-I", "PREROUTING", "1", "-p", "tcp", "-m", "comment", "--comment", agentFirst, "-j", agentChain)},
+			first: true},
 		{name: "a KUBE-SVC chain edited (a rule replaced)", cmds: [][]string{ipt("-t", "nat", "-R", svcChain, "1", "-j", "RETURN")},
 			trafficBreaks: true},
 		{name: "filter and mangle flushed", cmds: [][]string{ipt("-t", "filter", "-F"), ipt("-t", "mangle", "-F")}, flushed: []string{"filter"}},
@@ -104,7 +106,7 @@ func TestTamperRepairedWithinASecond(t *testing.T) {
 				return fmt.Errorf("kpipe's rules are not what they were:\n%s", d)
 			}
 			if c.first {
-				return frontJumpFirst(t)
+				return agentRuleKeptFirst(t)
 			}
 			return nil
 		}
@@ -166,7 +168,7 @@ func TestTamperRepairedWithinASecond(t *testing.T) {
 			}
 		}
 		if c.first {
-			if out, err := tb.Exec(tb.NodeNS, ipt("-t", "nat", "-D", "PREROUTING", "-p", "tcp", "-m", "comment", "--comment", agentFirst, "-j", "RETURN")...); err != nil {
+			if out, err := tb.Exec(tb.NodeNS, ipt("-t", "nat", "-D", "PREROUTING", "-p", "tcp", "-m", "comment", "--comment", agentFirst, "-j", agentChain)...); err != nil {
 				t.Fatalf("remove the rule in front: %v %s", err, out)
 			}
 		}
@@ -176,8 +178,8 @@ func TestTamperRepairedWithinASecond(t *testing.T) {
 
 // kpipeRules are kpipe's IPv4 nat and filter rules now. Its jumps in a built-in
 // chain are sorted: their order among themselves depends on which went missing
-// when (each missing one is put back first, as kube-proxy does), and kpipe's
-// jumps being in front of other rules is checked apart (frontJumpFirst).
+// when (each missing one is put back first, as kube-proxy does); where other
+// agents' rules are among them is checked apart (agentRuleKeptFirst).
 func (e *env) kpipeRules() testbed.RuleDump {
 	e.t.Helper()
 	var d testbed.RuleDump
@@ -209,9 +211,9 @@ func (e *env) agentRules(table string) []string {
 	return lines
 }
 
-// frontJumpFirst says whether kpipe's jump is first in PREROUTING and the rule
-// another agent put in front of it is still there, right behind.
-func frontJumpFirst(t *testing.T) error {
+// agentRuleKeptFirst says whether the rule another agent put in front of kpipe's
+// jump in PREROUTING is still first, with kpipe's jump right behind it.
+func agentRuleKeptFirst(t *testing.T) error {
 	out, err := tb.Exec(tb.NodeNS, "iptables", "-w", "-t", "nat", "-S", "PREROUTING")
 	if err != nil {
 		return err
@@ -222,8 +224,8 @@ func frontJumpFirst(t *testing.T) error {
 			rules = append(rules, l)
 		}
 	}
-	if len(rules) < 2 || !strings.HasSuffix(rules[0], "-j "+nf.ChainServices) || !strings.Contains(rules[1], agentFirst) {
-		return fmt.Errorf("PREROUTING is %q; want kpipe's jump first, then the other agent's rule", rules)
+	if len(rules) < 2 || !strings.Contains(rules[0], agentFirst) || !strings.HasSuffix(rules[1], "-j "+nf.ChainServices) {
+		return fmt.Errorf("PREROUTING is %q; want the other agent's rule first, then kpipe's jump", rules)
 	}
 	return nil
 }

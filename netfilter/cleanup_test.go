@@ -59,7 +59,7 @@ func TestCleanupRemovesKubeProxyChainsAndLeavesOthers(t *testing.T) {
 					t.Fatalf("%v: program: %v", f, err)
 				}
 			}
-			if err := tool.EnsureJumps(ctx, Jumps(false), false); err != nil {
+			if err := tool.EnsureJumps(ctx, Jumps(false)); err != nil {
 				t.Fatalf("%v: jumps: %v", f, err)
 			}
 			if err := tool.EnsureCanaries(ctx, []string{TableNAT, TableFilter, TableMangle}); err != nil {

@@ -50,13 +50,14 @@ func (j Jump) spec() []string {
 }
 
 // EnsureJumps makes sure every jump is in its built-in chain, inserting a missing
-// one first (as kube-proxy does). It reads each built-in chain once with -S,
-// which is cheap, and only creates chains and inserts rules for what is missing:
-// a check with -C loads the whole table, which takes ~0.2 s at 10k services.
-//
-// With first, it also moves kpipe's jumps back in front of rules another agent
-// put before them (moveJumpsFirst); the other rules stay as they are.
-func (t Tool) EnsureJumps(ctx context.Context, js []Jump, first bool) error {
+// one first (as kube-proxy does). A jump that is there stays where it is, behind
+// whatever another agent put in front of it: moving it would reorder that
+// agent's rules, and an agent that keeps its own hook first (a CNI's policy
+// chain, Docker's DOCKER-USER) would be bypassed until it moved back, each
+// rewriting the other for ever. It reads each built-in chain once with -S, which
+// is cheap, and only creates chains and inserts rules for what is missing: a
+// check with -C loads the whole table, which takes ~0.2 s at 10k services.
+func (t Tool) EnsureJumps(ctx context.Context, js []Jump) error {
 	listed := map[string][]string{}
 	missing := map[string][]Jump{} // by table, in js's order
 	var tables []string
@@ -69,11 +70,6 @@ func (t Tool) EnsureJumps(ctx context.Context, js []Jump, first bool) error {
 				return fmt.Errorf("list %s: %w", key, err)
 			}
 			listed[key] = rules
-			if first {
-				if err := t.moveJumpsFirst(ctx, j.Table, j.From, rules, js); err != nil {
-					return fmt.Errorf("move kpipe's jumps in %s first: %w", key, err)
-				}
-			}
 		}
 		if jumpPresent(rules, j) {
 			continue
@@ -115,43 +111,6 @@ func (t Tool) insertJumps(ctx context.Context, table string, js []Jump) error {
 		return fmt.Errorf("ensure jumps in %s: %w", table, err)
 	}
 	return nil
-}
-
-// moveJumpsFirst puts kpipe's jumps in chain (listed as rules) back in front of
-// every other rule, keeping their order among themselves: each one that comes
-// after another agent's rule is deleted and inserted again right after the
-// jumps in front, both in one transaction (no packet finds it missing). Only
-// kpipe's own rules are written, each as the kernel lists it.
-func (t Tool) moveJumpsFirst(ctx context.Context, table, chain string, rules []string, js []Jump) error {
-	inFront := 0
-	for inFront < len(rules) && isJump(rules[inFront], table, chain, js) {
-		inFront++
-	}
-	var b strings.Builder
-	var moved []string
-	for _, r := range rules[inFront:] {
-		if isJump(r, table, chain, js) && !slices.Contains(rules[:inFront], r) {
-			moved = append(moved, r)
-			b.WriteString("-D" + strings.TrimPrefix(r, "-A") + "\n")
-		}
-	}
-	if len(moved) == 0 {
-		return nil
-	}
-	for i, r := range moved {
-		fmt.Fprintf(&b, "-I %s %d%s\n", chain, inFront+i+1, strings.TrimPrefix(r, "-A "+chain))
-	}
-	return t.Restore(ctx, []byte("*"+table+"\n"+b.String()+"COMMIT\n"))
-}
-
-// isJump says whether rule, listed in table's chain, is one of js.
-func isJump(rule, table, chain string, js []Jump) bool {
-	for _, j := range js {
-		if j.Table == table && j.From == chain && jumpPresent([]string{rule}, j) {
-			return true
-		}
-	}
-	return false
 }
 
 // jumpPresent says whether a listed chain (iptables -S lines) has j: a rule that

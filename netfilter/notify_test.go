@@ -57,7 +57,7 @@ func TestSubscriptionReportsOnlyOthersChanges(t *testing.T) {
 					if err := tool.Restore(context.Background(), []byte("*nat\n:KUBE-SVC-X - [0:0]\n:KUBE-SEP-1 - [0:0]\n-A KUBE-SVC-X -j KUBE-SEP-1\nCOMMIT\n")); err != nil {
 						return err
 					}
-					return tool.EnsureJumps(context.Background(), Jumps(false), false)
+					return tool.EnsureJumps(context.Background(), Jumps(false))
 				}, nil},
 				{"the other family's tables change", func() error { return other.run1("-t", "nat", "-N", "OTHER") }, nil},
 				{"another agent appends a rule", func() error { return tool.run1("-t", "nat", "-A", "KUBE-SVC-X", "-j", "RETURN") },

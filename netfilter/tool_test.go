@@ -80,7 +80,7 @@ func TestEnsureJumpsStopsWaitingForTheLock(t *testing.T) {
 			ctx, cancel := context.WithTimeout(context.Background(), 300*time.Millisecond)
 			defer cancel()
 			start := time.Now()
-			err := within(t, ns, 2*time.Second, func() error { return tool.EnsureJumps(ctx, Jumps(true), false) })
+			err := within(t, ns, 2*time.Second, func() error { return tool.EnsureJumps(ctx, Jumps(true)) })
 			if err == nil {
 				t.Fatalf("EnsureJumps succeeded while another process held the xtables lock")
 			}
@@ -166,14 +166,14 @@ func TestEnsureJumps(t *testing.T) {
 				ctx := context.Background()
 				js := Jumps(true)
 				for range 2 {
-					if err := tool.EnsureJumps(ctx, js, false); err != nil {
+					if err := tool.EnsureJumps(ctx, js); err != nil {
 						return err
 					}
 				}
 				if err := tool.run1("-t", TableNAT, "-D", "PREROUTING", "-m", "comment", "--comment", "kubernetes service portals", "-j", ChainServices); err != nil {
 					return err
 				}
-				if err := tool.EnsureJumps(ctx, js, false); err != nil {
+				if err := tool.EnsureJumps(ctx, js); err != nil {
 					return err
 				}
 				for _, j := range js {
@@ -200,59 +200,57 @@ func TestEnsureJumps(t *testing.T) {
 	}
 }
 
-// EnsureJumps with first moves kpipe's jumps back in front of rules another agent
-// inserted before them, keeping their order and the agent's rules; without first,
-// it leaves the order alone.
-func TestEnsureJumpsFirst(t *testing.T) {
+// EnsureJumps never moves a jump of kpipe's that is there: rules another agent
+// put in front of them stay in front, in their order. A missing jump goes in
+// at the top, as kube-proxy inserts it, and nothing else moves.
+func TestEnsureJumpsLeavesOthersInFront(t *testing.T) {
 	for _, tool := range tools(t) {
 		t.Run(tool.binary(""), func(t *testing.T) {
 			netnstest.New(t).Run(t, func() error {
 				ctx := context.Background()
 				js := Jumps(true)
-				if err := tool.EnsureJumps(ctx, js, true); err != nil {
+				if err := tool.EnsureJumps(ctx, js); err != nil {
 					return err
 				}
-				before := map[string][]string{}
-				for _, chain := range [][2]string{{TableNAT, "PREROUTING"}, {TableFilter, "INPUT"}} {
-					rules, err := tool.ListChain(ctx, chain[0], chain[1])
-					if err != nil {
-						return err
-					}
-					before[chain[0]+"/"+chain[1]] = rules
+				chains := [][2]string{{TableNAT, "PREROUTING"}, {TableFilter, "INPUT"}}
+				for _, c := range chains {
 					for _, pos := range []string{"1", "3"} {
-						if err := tool.run1("-t", chain[0], "-I", chain[1], pos, "-m", "comment", "--comment", "agent "+pos, "-j", "ACCEPT"); err != nil {
+						if err := tool.run1("-t", c[0], "-I", c[1], pos, "-m", "comment", "--comment", "agent "+pos, "-j", "ACCEPT"); err != nil {
 							return err
 						}
 					}
-					if err := tool.run1("-t", chain[0], "-A", chain[1], "-m", "comment", "--comment", "agent last", "-j", "ACCEPT"); err != nil {
+					if err := tool.run1("-t", c[0], "-A", c[1], "-m", "comment", "--comment", "agent last", "-j", "ACCEPT"); err != nil {
 						return err
 					}
 				}
-				agent := func(chain string) []string {
-					return []string{
-						"-A " + chain + ` -m comment --comment "agent 1" -j ACCEPT`,
-						"-A " + chain + ` -m comment --comment "agent 3" -j ACCEPT`,
-						"-A " + chain + ` -m comment --comment "agent last" -j ACCEPT`,
-					}
-				}
-				if err := tool.EnsureJumps(ctx, js, false); err != nil {
-					return err
-				}
-				if rules, _ := tool.ListChain(ctx, TableNAT, "PREROUTING"); !strings.Contains(rules[0], "agent 1") {
-					return fmt.Errorf("EnsureJumps without first reordered PREROUTING: %q", rules)
-				}
-				if err := tool.EnsureJumps(ctx, js, true); err != nil {
-					return err
-				}
-				for key, kpipe := range before {
-					table, chain, _ := strings.Cut(key, "/")
-					rules, err := tool.ListChain(ctx, table, chain)
+				before := map[[2]string][]string{}
+				for _, c := range chains {
+					rules, err := tool.ListChain(ctx, c[0], c[1])
 					if err != nil {
 						return err
 					}
-					if want := append(slices.Clone(kpipe), agent(chain)...); !slices.Equal(rules, want) {
-						return fmt.Errorf("%s after EnsureJumps first:\n%s\nwant\n%s", key, strings.Join(rules, "\n"), strings.Join(want, "\n"))
+					before[c] = rules
+				}
+				if err := tool.EnsureJumps(ctx, js); err != nil {
+					return err
+				}
+				for _, c := range chains {
+					if rules, _ := tool.ListChain(ctx, c[0], c[1]); !slices.Equal(rules, before[c]) {
+						return fmt.Errorf("%s/%s after EnsureJumps:\n%s\nwant it unchanged:\n%s", c[0], c[1], strings.Join(rules, "\n"), strings.Join(before[c], "\n"))
 					}
+				}
+				// kpipe's jump in PREROUTING (second, behind "agent 1") deleted:
+				// put back at the top, the rest as it was.
+				jump := "-A PREROUTING -m comment --comment \"kubernetes service portals\" -j " + ChainServices
+				if err := tool.run1("-t", TableNAT, "-D", "PREROUTING", "-m", "comment", "--comment", "kubernetes service portals", "-j", ChainServices); err != nil {
+					return err
+				}
+				if err := tool.EnsureJumps(ctx, js); err != nil {
+					return err
+				}
+				want := append([]string{jump}, slices.DeleteFunc(slices.Clone(before[chains[0]]), func(r string) bool { return r == jump })...)
+				if rules, _ := tool.ListChain(ctx, TableNAT, "PREROUTING"); !slices.Equal(rules, want) {
+					return fmt.Errorf("PREROUTING after its kpipe jump was put back:\n%s\nwant\n%s", strings.Join(rules, "\n"), strings.Join(want, "\n"))
 				}
 				return nil
 			})

@@ -68,13 +68,16 @@ var jumpChains = func() map[string]map[string]bool {
 var ruleTables = map[string]bool{nf.TableNAT: true, nf.TableFilter: true}
 
 // repairFor says what of kpipe's another writer changed: the chains to rewrite,
-// the tables whose built-in chains need kpipe's jumps back in front, whether
+// the tables whose built-in chains may have lost a jump of kpipe's, whether
 // everything must be rewritten (a table deleted or flushed, as a canary gone
 // tells), and whether a canary must be put back (canaries). Lost notifications
 // only have the jumps checked: a flush among them shows as a canary gone (see
 // Stage.repair), rules changed in place are left to the periodic and hourly
-// syncs. Changes to anything else (other agents' chains, other tables) ask for
-// nothing.
+// syncs. A rule added to a built-in chain asks for nothing: it cannot take a
+// jump of kpipe's away, and where another agent puts its rules is its own
+// business (kpipe never moves its jumps back in front of them, as kube-proxy
+// never does). Changes to anything else (other agents' chains, other tables)
+// ask for nothing.
 func repairFor(t tamper) (rep bus.Repair, canaries bool) {
 	rep = bus.Repair{Chains: map[string]map[string]bool{}, Jumps: map[string]bool{}, Lost: t.lost, Since: t.since}
 	if t.overflowed || t.lost {
@@ -106,7 +109,7 @@ func repairFor(t tamper) (rep bus.Repair, canaries bool) {
 				rep.Chains[c.Table] = map[string]bool{}
 			}
 			rep.Chains[c.Table][c.Chain] = true
-		case jumpChains[c.Table][c.Chain] && c.Kind != nf.ChainAdded:
+		case jumpChains[c.Table][c.Chain] && (c.Kind == nf.RuleDeleted || c.Kind == nf.ChainDeleted):
 			rep.Jumps[c.Table] = true
 		}
 	}

@@ -38,8 +38,12 @@ func TestRepairFor(t *testing.T) {
 		{name: "nat table deleted", in: tamper{changes: []nf.Change{ch(nf.RuleDeleted, "nat", svc), ch(nf.ChainDeleted, "nat", svc),
 			ch(nf.ChainDeleted, "nat", "PREROUTING"), ch(nf.TableDeleted, "nat", "")}},
 			chains: map[string][]string{"nat": {svc}}, jumps: []string{"nat"}, lost: true, canaries: true},
-		{name: "a rule inserted in a built-in chain", in: tamper{changes: []nf.Change{ch(nf.RuleAdded, "nat", "PREROUTING")}},
-			jumps: []string{"nat"}},
+		// Another agent's rule: kpipe's jumps are all there, wherever it put it.
+		{name: "a rule inserted in a built-in chain", in: tamper{changes: []nf.Change{ch(nf.RuleAdded, "nat", "PREROUTING")}}},
+		{name: "a rule deleted from a built-in chain", in: tamper{changes: []nf.Change{ch(nf.RuleDeleted, "filter", "FORWARD")}},
+			jumps: []string{"filter"}},
+		{name: "another agent moved its rule first (-D, -I)", in: tamper{changes: []nf.Change{
+			ch(nf.RuleDeleted, "nat", "PREROUTING"), ch(nf.RuleAdded, "nat", "PREROUTING")}}, jumps: []string{"nat"}},
 		{name: "filter and mangle flushed", in: tamper{changes: []nf.Change{ch(nf.RuleDeleted, "filter", "INPUT"),
 			ch(nf.RuleDeleted, "filter", nf.ChainForward), ch(nf.RuleDeleted, "filter", nf.ChainCanary), ch(nf.RuleDeleted, "mangle", "PREROUTING")}},
 			chains: map[string][]string{"filter": {nf.ChainForward}}, jumps: []string{"filter"}, lost: true, canaries: true},

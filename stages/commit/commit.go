@@ -35,9 +35,9 @@ type Kernel interface {
 	ExpectedDigest(ctx context.Context, table, rules string) (digest uint64, ok bool)
 	// ChainNames lists the chains of table.
 	ChainNames(ctx context.Context, table string) ([]string, error)
-	// EnsureJumps puts back any missing jump from a built-in chain; with first,
-	// it also moves kpipe's jumps back in front of other agents' rules.
-	EnsureJumps(ctx context.Context, js []nf.Jump, first bool) error
+	// EnsureJumps puts back any missing jump from a built-in chain; a jump that
+	// is there stays where it is, whatever another agent put in front of it.
+	EnsureJumps(ctx context.Context, js []nf.Jump) error
 	// WriteSysctl sets a sysctl such as "net/ipv4/conf/all/route_localnet".
 	WriteSysctl(name, value string) error
 }
@@ -79,8 +79,8 @@ type Stage struct {
 	written          map[string]int // rules the last apply wrote, by table
 	log              *slog.Logger
 	// last is the last plan applied (nil after a failure: coalesce then sends a
-	// full sync); repair asks for it to be applied again, and jumps for kpipe's
-	// jumps to be moved back in front in these tables after the next apply.
+	// full sync); repair asks for it to be applied again, and for kpipe's
+	// missing jumps to be put back in the tables it names.
 	last   *bus.Plan
 	repair *bus.Repair
 }
@@ -214,8 +214,8 @@ func (s *Stage) applyAgain(ctx context.Context, plan *bus.Plan) {
 	s.repaired(ctx)
 }
 
-// repaired finishes the repair an apply just carried: kpipe's jumps go back in
-// front where another writer changed a built-in chain.
+// repaired finishes the repair an apply just carried: kpipe's jumps that are
+// missing go back where another writer changed a built-in chain.
 func (s *Stage) repaired(ctx context.Context) {
 	r := s.repair
 	if r == nil {
@@ -229,8 +229,8 @@ func (s *Stage) repaired(ctx context.Context) {
 		}
 	}
 	if len(js) > 0 {
-		if err := s.kernel.EnsureJumps(ctx, js, true); err != nil {
-			s.log.Warn("putting kpipe's jumps back in front", "family", s.family, "err", err)
+		if err := s.kernel.EnsureJumps(ctx, js); err != nil {
+			s.log.Warn("putting kpipe's missing jumps back", "family", s.family, "err", err)
 			return
 		}
 	}
@@ -297,7 +297,7 @@ func (s *Stage) apply(ctx context.Context, plan *bus.Plan) error {
 	}
 	s.learn(ctx, w)
 	if full || plan.Refresh {
-		if err := s.kernel.EnsureJumps(ctx, nf.Jumps(s.localnetFirewall), false); err != nil {
+		if err := s.kernel.EnsureJumps(ctx, nf.Jumps(s.localnetFirewall)); err != nil {
 			return err
 		}
 	}

@@ -45,5 +45,5 @@ func (nullKernel) Digests(context.Context, string, []string) (map[string]uint64,
 }
 func (nullKernel) ExpectedDigest(context.Context, string, string) (uint64, bool) { return 0, false }
 func (nullKernel) ChainNames(context.Context, string) ([]string, error)          { return nil, nil }
-func (nullKernel) EnsureJumps(context.Context, []nf.Jump, bool) error            { return nil }
+func (nullKernel) EnsureJumps(context.Context, []nf.Jump) error                  { return nil }
 func (nullKernel) WriteSysctl(string, string) error                              { return nil }

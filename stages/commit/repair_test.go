@@ -62,8 +62,8 @@ func waitFor(t *testing.T, k *fakekernel.Kernel, what string, cond func() bool) 
 }
 
 // A repair rewrites exactly the chains another writer changed, from the last plan
-// and at once (no new plan, no result to coalesce), puts kpipe's jumps back in
-// front in the tables named, and leaves alone a chain of the same kind that kpipe
+// and at once (no new plan, no result to coalesce), puts back kpipe's jumps
+// missing in the tables named, and leaves alone a chain of the same kind that kpipe
 // never wrote and another agent's chain.
 func TestRepairRewritesOnlyTheChangedChains(t *testing.T) {
 	k := fakekernel.New()
@@ -81,7 +81,7 @@ func TestRepairRewritesOnlyTheChangedChains(t *testing.T) {
 
 	repairs.Put(bus.Repair{Chains: map[string]map[string]bool{nf.TableNAT: {svc: true, nf.ChainServices: true, "KUBE-SVC-NOTKPIPES": true, "AGENT": true}},
 		Jumps: map[string]bool{nf.TableNAT: true}, Since: time.Now()})
-	waitFor(t, k, "the jumps", func() bool { return slices.Contains(k.Events, "jumps first nat") })
+	waitFor(t, k, "the jumps", func() bool { return slices.Contains(k.Events, "jumps nat") })
 	got := regexpDeclared(strings.Join(k.Payloads, ""))
 	if want := sorted([]string{svc, nf.ChainServices}); !slices.Equal(got, want) {
 		t.Errorf("the repair rewrote %v; want only %v", got, want)
@@ -113,7 +113,7 @@ func TestRepairOfALostTableIsAFullSync(t *testing.T) {
 	k.Payloads, k.Events = nil, nil
 	k.Mu.Unlock()
 	repairs.Put(bus.Repair{Lost: true, Jumps: map[string]bool{nf.TableNAT: true}, Since: time.Now()})
-	waitFor(t, k, "the jumps", func() bool { return slices.Contains(k.Events, "jumps first nat") })
+	waitFor(t, k, "the jumps", func() bool { return slices.Contains(k.Events, "jumps nat") })
 	requireFresh(t, k, st, "after the repair of a deleted nat table")
 	if !slices.Contains(k.Events, "jumps") {
 		t.Errorf("the repair of a lost table was not a full sync (events %q)", k.Events)
@@ -124,7 +124,7 @@ func TestRepairOfALostTableIsAFullSync(t *testing.T) {
 }
 
 // A repair asked for before any plan was applied waits for the first plan, which
-// rewrites what it names, and then moves the jumps.
+// rewrites what it names, and then checks the jumps.
 func TestRepairBeforeTheFirstPlan(t *testing.T) {
 	k := fakekernel.New()
 	s, repairs := startWithRepairs(t, k)
@@ -140,7 +140,7 @@ func TestRepairBeforeTheFirstPlan(t *testing.T) {
 	if r := take(t, s.p.Results, "result"); !r.OK {
 		t.Fatal(r.Err)
 	}
-	waitFor(t, k, "the jumps", func() bool { return slices.Contains(k.Events, "jumps first filter") })
+	waitFor(t, k, "the jumps", func() bool { return slices.Contains(k.Events, "jumps filter") })
 	requireFresh(t, k, st, "after the first plan")
 }
 

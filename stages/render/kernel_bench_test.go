@@ -73,6 +73,6 @@ func benchKernelOneChainWrite(b *testing.B, n int) {
 		}
 	}
 	run("unreachable")
-	ns.Run(b, func() error { return tool.EnsureJumps(context.Background(), nf.Jumps(false), true) })
+	ns.Run(b, func() error { return tool.EnsureJumps(context.Background(), nf.Jumps(false)) })
 	run("reachable")
 }

@@ -185,19 +185,19 @@ func (k *Kernel) ChainNames(ctx context.Context, table string) ([]string, error)
 	return slices.Sorted(maps.Keys(all)), nil
 }
 
-// EnsureJumps records "jumps" (with first: "jumps first" and the tables).
-func (k *Kernel) EnsureJumps(_ context.Context, js []nf.Jump, first bool) error {
+// EnsureJumps records "jumps" for every table's jumps, "jumps <table>" for one's.
+func (k *Kernel) EnsureJumps(_ context.Context, js []nf.Jump) error {
 	k.Mu.Lock()
 	defer k.Mu.Unlock()
-	if !first {
-		k.Events = append(k.Events, "jumps")
-		return nil
-	}
 	tables := map[string]bool{}
 	for _, j := range js {
 		tables[j.Table] = true
 	}
-	k.Events = append(k.Events, "jumps first "+strings.Join(slices.Sorted(maps.Keys(tables)), ","))
+	if len(tables) == 1 {
+		k.Events = append(k.Events, "jumps "+js[0].Table)
+		return nil
+	}
+	k.Events = append(k.Events, "jumps")
 	return nil
 }
 
