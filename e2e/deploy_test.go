@@ -321,8 +321,11 @@ func TestDeployDaemonSet(t *testing.T) {
 		t.Errorf("env %v lacks NODE_NAME from spec.nodeName", c.Env)
 	}
 
-	checkProbe(t, "liveness", c.LivenessProbe, "/livez")
-	checkProbe(t, "readiness", c.ReadinessProbe, "/healthz")
+	// kubeadm's kube-proxy has no probes; a liveness probe on /livez would
+	// restart kpipe over what a restart cannot fix (a write the kernel refuses).
+	if c.LivenessProbe != nil || c.ReadinessProbe != nil || c.StartupProbe != nil {
+		t.Errorf("probes liveness %v, readiness %v, startup %v; kubeadm's kube-proxy has none", c.LivenessProbe, c.ReadinessProbe, c.StartupProbe)
+	}
 
 	checkMount(t, pod, c, "/var/lib/kube-proxy", false, func(v corev1.VolumeSource) bool {
 		return v.ConfigMap != nil && v.ConfigMap.Name == "kube-proxy"
@@ -334,17 +337,6 @@ func TestDeployDaemonSet(t *testing.T) {
 	checkMount(t, pod, c, "/lib/modules", true, func(v corev1.VolumeSource) bool {
 		return v.HostPath != nil && v.HostPath.Path == "/lib/modules"
 	}, "the host's /lib/modules")
-}
-
-func checkProbe(t *testing.T, name string, p *corev1.Probe, path string) {
-	t.Helper()
-	if p == nil || p.HTTPGet == nil {
-		t.Errorf("no HTTP %s probe", name)
-		return
-	}
-	if p.HTTPGet.Path != path || p.HTTPGet.Port.IntValue() != 10256 {
-		t.Errorf("%s probe GET %s on port %s, want %s on 10256", name, p.HTTPGet.Path, p.HTTPGet.Port.String(), path)
-	}
 }
 
 // checkMount: the container mounts, at path, a volume from source (readOnly

@@ -76,12 +76,15 @@ func joinBad(bad []badHealth) string {
 	return strings.Join(s, "\n")
 }
 
-func watchHealth(interval time.Duration) *healthWatch {
+func watchHealth(interval time.Duration) *healthWatch { return watchHealthPath("/healthz", interval) }
+
+// watchHealthPath polls path on kpipe's healthz listener every interval.
+func watchHealthPath(path string, interval time.Duration) *healthWatch {
 	h := &healthWatch{stop: make(chan struct{}), done: make(chan struct{})}
 	go func() {
 		defer close(h.done)
 		for {
-			code, body, err := tb.HTTPGet(tb.NodeNS, testbed.HealthzURL+"/healthz")
+			code, body, err := tb.HTTPGet(tb.NodeNS, testbed.HealthzURL+path)
 			h.mu.Lock()
 			h.polls++
 			if err != nil || code != 200 {

@@ -36,6 +36,7 @@ type Metrics struct {
 	Escalations            *prometheus.CounterVec   // kpipe: supervisors that spent their restart budget, by supervisor
 	ConfigReloads          *prometheus.CounterVec   // kpipe: config file changes read, by result
 	ConfigReloadSuccessful prometheus.Gauge         // kpipe: 1 unless the config file's last change was rejected
+	UndeletableChains      *prometheus.GaugeVec     // kpipe: chains kpipe wants gone that the kernel will not delete, by ip_family
 }
 
 // The results of a config file reload (label result of kpipe_config_reloads_total).
@@ -110,13 +111,15 @@ func New(reg prometheus.Registerer) *Metrics {
 			Name: "kpipe_config_reloads_total", Help: "Changes of the config file read, by result (failure: rejected, the previous configuration kept)"}, []string{"result"}),
 		ConfigReloadSuccessful: prometheus.NewGauge(prometheus.GaugeOpts{
 			Name: "kpipe_config_last_reload_successful", Help: "1 if kpipe runs on the config file as it is, 0 if its last change was rejected"}),
+		UndeletableChains: prometheus.NewGaugeVec(prometheus.GaugeOpts{
+			Name: "kpipe_undeletable_chains", Help: "Chains of kpipe's that it no longer wants and the kernel refuses to delete (another agent's rule still jumps to them); emptied, retried at each periodic sync"}, []string{IPFamily}),
 	}
 	m.ConfigReloadSuccessful.Set(1)
 	reg.MustRegister(m.SyncDuration, m.SyncFullDuration, m.SyncPartialDuration, m.NetworkProgramming,
 		m.LastSync, m.LastQueued, m.RestoreFailures, m.PartialRestoreFailures, m.RulesTotal, m.RulesLast,
 		m.ServiceChanges, m.EndpointChanges, m.ServicesPending, m.EndpointsPending, m.NoLocalEndpoints,
 		m.HealthzTotal, m.LivezTotal, m.ConntrackDeleted, m.ConntrackDuration, m.Skipped, m.StageRestarts, m.Escalations,
-		m.ConfigReloads, m.ConfigReloadSuccessful)
+		m.ConfigReloads, m.ConfigReloadSuccessful, m.UndeletableChains)
 	return m
 }
 

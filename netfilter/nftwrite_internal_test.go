@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"strings"
+	"syscall"
 	"testing"
 
 	"github.com/kpipe/kpipe/bus"
@@ -107,6 +108,40 @@ func TestRefusedBatchTooManyAnswers(t *testing.T) {
 		err = Tool{Family: bus.IPv4}.RestoreNetlink(context.Background(), []byte(small))
 		if !errors.As(err, &refused) || refused.what != "create chain KUBE-KPX-W" {
 			return fmt.Errorf("RestoreNetlink of one chain into a namespace without tables = %v; want its creation refused", err)
+		}
+		return nil
+	})
+}
+
+// TestWriterDoesNotFallBackOnAChainInUse: deleting a chain another agent's
+// rule jumps to is refused with EBUSY, which iptables-restore would be refused
+// the same way: the netlink writer says so at once (commit then empties and
+// leaves the chain) instead of running iptables-restore, which reads the whole
+// table first (0.3 s at 10k services), for the same answer.
+func TestWriterDoesNotFallBackOnAChainInUse(t *testing.T) {
+	netnstest.RequireRoot(t)
+	if !OnNFTables(bus.IPv4) {
+		netnstest.Unavailable(t, "iptables is not the nf_tables backend")
+	}
+	netnstest.New(t).Run(t, func() error {
+		ctx := context.Background()
+		tool := Tool{Family: bus.IPv4}
+		if err := tool.Restore(ctx, []byte(writerPayload)); err != nil {
+			return err
+		}
+		if err := tool.Restore(ctx, []byte("*nat\n:AGENT - [0:0]\n-A AGENT -j KUBE-KPX-W\nCOMMIT\n")); err != nil {
+			return err
+		}
+		before := NetlinkFallbacks.Load()
+		err := tool.Restore(ctx, []byte("*nat\n:KUBE-KPX-W - [0:0]\n-X KUBE-KPX-W\nCOMMIT\n"))
+		if !errors.Is(err, syscall.EBUSY) {
+			return fmt.Errorf("deleting a chain in use: %v; want EBUSY", err)
+		}
+		if n := NetlinkFallbacks.Load(); n != before {
+			return fmt.Errorf("the refused delete went to iptables-restore (%d fallbacks)", n-before)
+		}
+		if rules, err := tool.ListChain(ctx, TableNAT, "KUBE-KPX-W"); err != nil || len(rules) != 1 {
+			return fmt.Errorf("the chain in use lists %q, %v; want it untouched", rules, err)
 		}
 		return nil
 	})

@@ -2,9 +2,11 @@ package netfilter
 
 import (
 	"context"
+	"errors"
 	"maps"
 	"slices"
 	"sync/atomic"
+	"syscall"
 )
 
 // Writer is how Restore writes a payload.
@@ -13,8 +15,8 @@ type Writer uint8
 const (
 	// WriterNetlink writes straight to nf_tables over netlink when the host's
 	// iptables is the nf_tables backend, with the encodings iptables-nft uses;
-	// anything it does not translate, or that the kernel refuses from it, goes
-	// to iptables-restore instead. On the legacy backend it is iptables-restore.
+	// anything it does not translate, or that the kernel refuses from it (but
+	// a chain still in use), goes to iptables-restore instead. On the legacy backend it is iptables-restore.
 	WriterNetlink Writer = iota
 	// WriterRestore always runs iptables-restore.
 	WriterRestore
@@ -41,7 +43,9 @@ func (t Tool) Prepare(payload []byte) (write func(ctx context.Context) error) {
 	return func(ctx context.Context) error {
 		if nft, err := t.onNFTables(ctx); err == nil && nft && translateErr == nil {
 			err := t.writeBatches(ctx, sections)
-			if err == nil || ctx.Err() != nil {
+			// A chain still in use (EBUSY): iptables-restore would make the
+			// same request and be refused the same way.
+			if err == nil || ctx.Err() != nil || errors.Is(err, syscall.EBUSY) {
 				return err
 			}
 			NetlinkFallbacks.Add(1)

@@ -265,9 +265,11 @@ const maxChainsPerRestore = 4000
 const chainsPerFreshStep = 500
 
 // apply brings the kernel to the plan. It writes the chains that differ from the
-// ledger (every chain, for a full sync), deletes the per-service chains the plan
-// no longer has (for a full sync: every such chain in the kernel), and for a full
-// or periodic sync checks the top-level and bucket chains and the jumps into them.
+// ledger (every chain, for a full sync), and for a full or periodic sync checks
+// the top-level and bucket chains and the jumps into them. Then it deletes the
+// per-service chains the plan no longer has (for a full sync: every such chain
+// in the kernel), best effort: a chain the kernel will not delete holds up
+// nothing else (deleteUnwanted).
 func (s *Stage) apply(ctx context.Context, plan *bus.Plan) error {
 	full := s.writtenFull(plan)
 	var w writes
@@ -288,10 +290,17 @@ func (s *Stage) apply(ctx context.Context, plan *bus.Plan) error {
 			}
 		}
 	}
+	deferred := map[string][]string{} // deletions a step could not make, by table
 	next, stop := s.prepareAhead(steps)
 	defer stop()
 	for i, step := range steps {
-		if err := s.restore(ctx, step, next()); err != nil {
+		err := s.restore(ctx, step, next())
+		if err != nil && ctx.Err() == nil {
+			err = s.restoreWithoutDeletes(ctx, step, err, deferred)
+		}
+		if err != nil {
+			// Whatever failed, a jump someone deleted meanwhile comes back.
+			s.ensureJumps(ctx)
 			return fmt.Errorf("commit generation %d (restore %d): %w", plan.Generation, i+1, err)
 		}
 	}
@@ -310,7 +319,111 @@ func (s *Stage) apply(ctx context.Context, plan *bus.Plan) error {
 			}
 		}
 	}
+	s.deleteUnwanted(ctx, w, deferred, full, plan)
 	s.written = w.rulesWritten()
+	return nil
+}
+
+// restoreWithoutDeletes runs again, without its chain deletions, a step the
+// kernel refused (with failed): a chain the plan dropped may still be in use
+// (another agent's rule jumps to it), which must not hold up the rest. The
+// deletions are added to deferred, for deleteUnwanted. failed is kept when
+// the step had nothing to delete.
+func (s *Stage) restoreWithoutDeletes(ctx context.Context, st step, failed error, deferred map[string][]string) error {
+	rest, deletes := st.withoutDeletes()
+	if deletes == nil {
+		return failed
+	}
+	if len(rest.blocks) > 0 {
+		if err := s.restore(ctx, rest, s.kernel.Prepare(rest.payload())); err != nil {
+			return err
+		}
+	}
+	for table, chains := range deletes {
+		deferred[table] = append(deferred[table], chains...)
+	}
+	return nil
+}
+
+// ensureJumps puts back any missing jump, best effort, after a failed write.
+func (s *Stage) ensureJumps(ctx context.Context) {
+	if ctx.Err() != nil {
+		return
+	}
+	if err := s.kernel.EnsureJumps(ctx, nf.Jumps(s.localnetFirewall)); err != nil {
+		s.log.Warn("putting kpipe's missing jumps back after a failed write", "family", s.family, "err", err)
+	}
+}
+
+// deleteUnwanted deletes, after everything else is written, the chains that
+// go: those a step could not delete (deferred), a full sync's stale chains,
+// and at a full or periodic sync the stuck ones the plan does not have. None
+// of it fails the commit: a chain the kernel will not delete is emptied and
+// left (deleteOrEmpty).
+func (s *Stage) deleteUnwanted(ctx context.Context, w writes, deferred map[string][]string, full bool, plan *bus.Plan) {
+	for _, tw := range w.tables {
+		del := deferred[tw.table]
+		switch {
+		case full:
+			s.ledger.keepStuck(tw.table, tw.stale)
+			del = append(del, tw.stale...)
+		case plan.Refresh:
+			wanted := map[string]bool{}
+			for _, tp := range plan.Tables {
+				if tp.Table == tw.table {
+					wanted = planned(tp)
+				}
+			}
+			for _, c := range s.ledger.stuckIn(tw.table) {
+				if !wanted[c] {
+					del = append(del, c)
+				}
+			}
+		}
+		sortForDelete(del)
+		for len(del) > 0 && ctx.Err() == nil {
+			n := min(len(del), maxChainsPerRestore)
+			if err := s.deleteOrEmpty(ctx, tw.table, del[:n]); err != nil {
+				s.log.Warn("deleting chains kpipe no longer wants; they stay in doubt", "family", s.family, "table", tw.table, "err", err)
+				break
+			}
+			del = del[n:]
+		}
+	}
+	s.metrics.UndeletableChains.WithLabelValues(s.family.String()).Set(float64(len(s.ledger.stuck)))
+}
+
+// deleteOrEmpty deletes chains (in delete order) in one transaction. When the
+// kernel refuses, it tries each half in turn, down to the single chains it
+// will not delete (another agent's rule still jumps to them, EBUSY): each is
+// emptied, so that the chains it jumped to can go and nothing it sent to a gone
+// service's endpoints stays, recorded as stuck and logged once. An error only
+// when even emptying a chain fails: the kernel refuses everything.
+func (s *Stage) deleteOrEmpty(ctx context.Context, table string, chains []string) error {
+	del := step{blocks: []block{{table: table, delete: chains}}}
+	err := s.restore(ctx, del, s.kernel.Prepare(del.payload()))
+	if err == nil || ctx.Err() != nil {
+		return nil
+	}
+	if len(chains) > 1 {
+		half := len(chains) / 2
+		if err := s.deleteOrEmpty(ctx, table, chains[:half]); err != nil {
+			return err
+		}
+		return s.deleteOrEmpty(ctx, table, chains[half:])
+	}
+	chain := chains[0]
+	if s.ledger.stuck[key(table, chain)] {
+		return nil // emptied when it first would not go
+	}
+	empty := step{blocks: []block{{table: table, write: []bus.Chain{{Name: chain, Hash: hashOf("")}}}}}
+	if emptyErr := s.restore(ctx, empty, s.kernel.Prepare(empty.payload())); emptyErr != nil {
+		return fmt.Errorf("delete %s/%s: %v; empty it: %w", table, chain, err, emptyErr)
+	}
+	if s.ledger.stick(table, chain) {
+		s.log.Warn("a chain kpipe no longer wants is still in use (another agent's rule jumps to it): emptied and left, tried again at each periodic sync",
+			"family", s.family, "table", table, "chain", chain, "err", err)
+	}
 	return nil
 }
 

@@ -22,6 +22,11 @@ type Ledger struct {
 	// tried holds, for filter chains in doubt, the rules of the writes that
 	// began and were not confirmed: the kernel may hold them (see oldRules).
 	tried map[chainKey]string
+	// stuck are chains kpipe no longer wants and the kernel would not delete
+	// (another agent's rule still jumps to them): emptied, out of chains and
+	// unsure so that no commit trips over them again, retried at each full and
+	// periodic sync (Stage.deleteUnwanted).
+	stuck map[chainKey]bool
 	// udp is the UDP front-end map of the last successful commit (haveUDP), for
 	// the conntrack stage.
 	udp     map[netip.AddrPort][]netip.AddrPort
@@ -42,7 +47,7 @@ type known struct {
 
 // NewLedger makes an empty ledger: the first plan is written as a full sync.
 func NewLedger() *Ledger {
-	return &Ledger{chains: map[string]map[string]known{}, unsure: map[chainKey]bool{}, tried: map[chainKey]string{}}
+	return &Ledger{chains: map[string]map[string]known{}, unsure: map[chainKey]bool{}, tried: map[chainKey]string{}, stuck: map[chainKey]bool{}}
 }
 
 // chainKey names a chain of a table.
@@ -51,6 +56,7 @@ type chainKey struct{ table, chain string }
 func key(table, chain string) chainKey { return chainKey{table, chain} }
 
 // reset forgets what the ledger knew, for a full sync, which rewrites everything.
+// The stuck chains stay: the full sync tries them again with its stale chains.
 func (l *Ledger) reset() {
 	l.synced = false
 	l.chains = map[string]map[string]known{}
@@ -119,6 +125,7 @@ func (l *Ledger) confirm(o op) {
 	k := key(o.table, o.chain)
 	delete(l.unsure, k)
 	delete(l.tried, k)
+	delete(l.stuck, k)
 	if o.deleted {
 		delete(l.chains[o.table], o.chain)
 		return
@@ -168,5 +175,44 @@ func (l *Ledger) matches(table, chain string, digest uint64) bool {
 func (l *Ledger) suspect(table, chain string) {
 	if _, ok := l.chains[table][chain]; ok {
 		l.unsure[key(table, chain)] = true
+	}
+}
+
+// stick records a chain the kernel would not delete, which kpipe has emptied:
+// the ledger no longer holds it as written or in doubt, so that plans do not
+// try to delete it again and again. new: it was not stuck before.
+func (l *Ledger) stick(table, chain string) (new bool) {
+	k := key(table, chain)
+	delete(l.chains[table], chain)
+	delete(l.unsure, k)
+	delete(l.tried, k)
+	new = !l.stuck[k]
+	l.stuck[k] = true
+	return new
+}
+
+// stuckIn lists table's stuck chains, in the order to delete them.
+func (l *Ledger) stuckIn(table string) []string {
+	var out []string
+	for k := range l.stuck {
+		if k.table == table {
+			out = append(out, k.chain)
+		}
+	}
+	sortForDelete(out)
+	return out
+}
+
+// keepStuck keeps stuck only the chains of table that keep (a full sync: the
+// stale chains it found in the kernel; a stuck chain no longer there is gone).
+func (l *Ledger) keepStuck(table string, keep []string) {
+	in := make(map[string]bool, len(keep))
+	for _, c := range keep {
+		in[c] = true
+	}
+	for k := range l.stuck {
+		if k.table == table && !in[k.chain] {
+			delete(l.stuck, k)
+		}
 	}
 }

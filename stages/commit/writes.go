@@ -94,8 +94,9 @@ func (b block) size() int { return len(b.write) + len(b.delete) }
 //     jumps to), then the top-level chains that make them reachable, then the
 //     chains the plan dropped.
 //  3. filter: the final rules, dropping the old guards.
-//  4. A full sync's stale chains, a batch at a time, referrers first: taking over
-//     from kube-proxy can mean 10^5 of them, which must not hold up the switch.
+//
+// A full sync's stale chains are not among these steps: they are deleted after
+// them, best effort (Stage.deleteUnwanted).
 //
 // A small plan is one run (each table section is its own transaction); a large
 // one is split into runs of at most maxChainsPerRestore chains, or
@@ -130,19 +131,28 @@ func (w writes) steps(l *Ledger) []step {
 		}
 		out = append(out, step{blocks: last})
 	}
-	for _, tw := range []tableWrites{nat, filter} {
-		stale := slices.Clone(tw.stale)
-		sortForDelete(stale)
-		for len(stale) > 0 {
-			n := min(len(stale), maxChainsPerRestore)
-			out = append(out, step{blocks: []block{{table: tw.table, delete: stale[:n]}}})
-			stale = stale[n:]
-		}
-	}
 	for i := range out {
 		out[i] = out[i].nonEmpty()
 	}
 	return slices.DeleteFunc(out, func(s step) bool { return len(s.blocks) == 0 })
+}
+
+// withoutDeletes is s without its chain deletions, and those deletions by
+// table (nil when it has none).
+func (s step) withoutDeletes() (step, map[string][]string) {
+	var deletes map[string][]string
+	out := step{blocks: make([]block, 0, len(s.blocks))}
+	for _, b := range s.blocks {
+		if len(b.delete) > 0 {
+			if deletes == nil {
+				deletes = map[string][]string{}
+			}
+			deletes[b.table] = append(deletes[b.table], b.delete...)
+			b.delete = nil
+		}
+		out.blocks = append(out.blocks, b)
+	}
+	return out.nonEmpty(), deletes
 }
 
 func (s step) nonEmpty() step {
