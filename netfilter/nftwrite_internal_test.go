@@ -42,13 +42,7 @@ func TestWriterOnLegacyIsRestore(t *testing.T) {
 // or what the kernel refuses from it (here: the table does not exist yet),
 // iptables-restore writes.
 func TestWriterFallsBackToRestore(t *testing.T) {
-	netnstest.RequireRoot(t)
-	if !OnNFTables(bus.IPv4) {
-		netnstest.Unavailable(t, "iptables is not the nf_tables backend")
-	}
-	netnstest.New(t).Run(t, func() error {
-		ctx := context.Background()
-		tool := Tool{Family: bus.IPv4}
+	onNFTablesNamespace(t, func(ctx context.Context, tool Tool) error {
 		if err := tool.RestoreNetlink(ctx, []byte(writerPayload)); err == nil {
 			return errors.New("the netlink writer wrote into a table that does not exist")
 		}
@@ -119,13 +113,7 @@ func TestRefusedBatchTooManyAnswers(t *testing.T) {
 // leaves the chain) instead of running iptables-restore, which reads the whole
 // table first (0.3 s at 10k services), for the same answer.
 func TestWriterDoesNotFallBackOnAChainInUse(t *testing.T) {
-	netnstest.RequireRoot(t)
-	if !OnNFTables(bus.IPv4) {
-		netnstest.Unavailable(t, "iptables is not the nf_tables backend")
-	}
-	netnstest.New(t).Run(t, func() error {
-		ctx := context.Background()
-		tool := Tool{Family: bus.IPv4}
+	onNFTablesNamespace(t, func(ctx context.Context, tool Tool) error {
 		if err := tool.Restore(ctx, []byte(writerPayload)); err != nil {
 			return err
 		}
@@ -145,4 +133,14 @@ func TestWriterDoesNotFallBackOnAChainInUse(t *testing.T) {
 		}
 		return nil
 	})
+}
+
+// onNFTablesNamespace runs f in a new network namespace with an IPv4 Tool of
+// the nf_tables backend (skipped without root or that backend).
+func onNFTablesNamespace(t *testing.T, f func(context.Context, Tool) error) {
+	netnstest.RequireRoot(t)
+	if !OnNFTables(bus.IPv4) {
+		netnstest.Unavailable(t, "iptables is not the nf_tables backend")
+	}
+	netnstest.New(t).Run(t, func() error { return f(context.Background(), Tool{Family: bus.IPv4}) })
 }

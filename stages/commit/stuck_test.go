@@ -38,6 +38,19 @@ func withoutChains(dump string, chains ...string) string {
 	return strings.Join(out, "\n")
 }
 
+// syncedStage is a stage that has synced the synthetic state of 20 services
+// into a fake kernel.
+func syncedStage(t *testing.T) (*fakekernel.Kernel, *Stage, bus.State) {
+	t.Helper()
+	k := fakekernel.New()
+	s := testStage(k)
+	st := render.SyntheticState(20, 2)
+	if err := s.apply(context.Background(), planOf(st, 1, true)); err != nil {
+		t.Fatal(err)
+	}
+	return k, s, st
+}
+
 // restoresSince are the payloads written since the first n.
 func restoresSince(k *fakekernel.Kernel, n int) []string {
 	k.Mu.Lock()
@@ -55,13 +68,8 @@ func restoresSince(k *fakekernel.Kernel, n int) []string {
 func TestUndeletableChainHoldsUpNothing(t *testing.T) {
 	for _, full := range []bool{false, true} {
 		t.Run(map[bool]string{false: "dropped by a partial commit", true: "stale in a full sync"}[full], func(t *testing.T) {
-			k := fakekernel.New()
-			s := testStage(k)
+			k, s, st := syncedStage(t)
 			ctx := context.Background()
-			st := render.SyntheticState(20, 2)
-			if err := s.apply(ctx, planOf(st, 1, true)); err != nil {
-				t.Fatal(err)
-			}
 			stuck := chainOf(t, k, nf.KindService, "ns19/svc19:http")
 			k.Mu.Lock()
 			k.Tables[nf.TableNAT]["AGENT"] = []string{"-A AGENT -j " + stuck}
@@ -132,13 +140,8 @@ func TestUndeletableChainHoldsUpNothing(t *testing.T) {
 // TestJumpsBeforeStaleChains: a full sync puts back missing jumps before it
 // deletes stale chains, and a write the kernel refuses still has them put back.
 func TestJumpsBeforeStaleChains(t *testing.T) {
-	k := fakekernel.New()
-	s := testStage(k)
+	k, s, st := syncedStage(t)
 	ctx := context.Background()
-	st := render.SyntheticState(20, 2)
-	if err := s.apply(ctx, planOf(st, 1, true)); err != nil {
-		t.Fatal(err)
-	}
 	k.Mu.Lock()
 	k.Events, k.Payloads = nil, nil
 	k.Mu.Unlock()
