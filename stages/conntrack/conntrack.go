@@ -76,6 +76,10 @@ func (s *Stage) Run(ctx context.Context) error {
 		if n > 0 {
 			s.log.Info("cleared stale UDP flows", "family", s.family, "deleted", n)
 		}
+		if flows.Forgotten > 0 {
+			s.log.Warn("UDP front-ends that went away while conntrack was behind were forgotten; their flows expire on the kernel's timeouts",
+				"family", s.family, "forgotten", flows.Forgotten, "kept", bus.MaxGone)
+		}
 	}
 }
 

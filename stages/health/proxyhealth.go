@@ -22,9 +22,11 @@ type proxyHealth struct {
 	NodeEligible *bool                    `json:"nodeEligible,omitempty"`
 	Healthy      bool                     `json:"healthy"`
 	Status       map[string]proxierHealth `json:"status,omitempty"` // by "IPv4" / "IPv6"
-	// Degraded is kpipe's own: side stages that failed recently, with their last
-	// error. It never decides the answer's code.
-	Degraded map[string]string `json:"degraded,omitempty"`
+	// Degraded is kpipe's own: the names of side stages that failed recently. Never
+	// their errors: this port is reachable from every pod, and stage errors carry
+	// iptables and conntrack output (they stay on the debug listener's
+	// /debug/stages and in the log). It never decides the answer's code.
+	Degraded []string `json:"degraded,omitempty"`
 }
 
 // decide is kube-proxy's ProxyHealthServer.Health over the board's reports: a family
@@ -58,19 +60,15 @@ func nodeEligible(reports map[bus.StageName]bus.Report) bool {
 	return !reports[bus.Watch].NodeDeleting
 }
 
-// degraded names the side stages whose last failure is younger than timeout, with
-// their last error; nil when there are none.
-func degraded(reports map[bus.StageName]bus.Report, side []bus.StageName, now time.Time, timeout time.Duration) map[string]string {
-	var out map[string]string
+// degraded names the side stages whose last failure is younger than timeout, in
+// side's order; nil when there are none.
+func degraded(reports map[bus.StageName]bus.Report, side []bus.StageName, now time.Time, timeout time.Duration) []string {
+	var out []string
 	for _, name := range side {
-		r := reports[name]
-		if r.LastErrorAt.IsZero() || now.Sub(r.LastErrorAt) >= timeout {
-			continue
+		at := reports[name].LastErrorAt
+		if !at.IsZero() && now.Sub(at) < timeout {
+			out = append(out, string(name))
 		}
-		if out == nil {
-			out = map[string]string{}
-		}
-		out[string(name)] = r.LastError
 	}
 	return out
 }
