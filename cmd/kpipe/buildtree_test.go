@@ -95,17 +95,31 @@ func watchedClient() (*fake.Clientset, <-chan string) {
 // an EndpointSlice with one endpoint, 10.244.1.5:8080.
 func createWebService(ctx context.Context, t *testing.T, client *fake.Clientset) {
 	t.Helper()
+	createService(ctx, t, client, testService{name: "web", clusterIP: "10.96.0.10", proto: corev1.ProtocolTCP, port: 80,
+		endpoint: "10.244.1.5", targetPort: 8080})
+}
+
+// testService is a ClusterIP Service of one port with one endpoint.
+type testService struct {
+	name, clusterIP, endpoint string
+	proto                     corev1.Protocol
+	port, targetPort          int32
+}
+
+// createService creates Service ns/<name> and its EndpointSlice ns/<name>-1.
+func createService(ctx context.Context, t *testing.T, client *fake.Clientset, s testService) {
+	t.Helper()
 	svc := &corev1.Service{
-		ObjectMeta: metav1.ObjectMeta{Namespace: "ns", Name: "web"},
-		Spec: corev1.ServiceSpec{Type: corev1.ServiceTypeClusterIP, ClusterIP: "10.96.0.10", ClusterIPs: []string{"10.96.0.10"},
-			Ports: []corev1.ServicePort{{Name: "http", Protocol: corev1.ProtocolTCP, Port: 80}}},
+		ObjectMeta: metav1.ObjectMeta{Namespace: "ns", Name: s.name},
+		Spec: corev1.ServiceSpec{Type: corev1.ServiceTypeClusterIP, ClusterIP: s.clusterIP, ClusterIPs: []string{s.clusterIP},
+			Ports: []corev1.ServicePort{{Name: "p", Protocol: s.proto, Port: s.port}}},
 	}
-	name, proto, port := "http", corev1.ProtocolTCP, int32(8080)
+	portName := "p"
 	slice := &discoveryv1.EndpointSlice{
-		ObjectMeta:  metav1.ObjectMeta{Namespace: "ns", Name: "web-1", Labels: map[string]string{discoveryv1.LabelServiceName: "web"}},
+		ObjectMeta:  metav1.ObjectMeta{Namespace: "ns", Name: s.name + "-1", Labels: map[string]string{discoveryv1.LabelServiceName: s.name}},
 		AddressType: discoveryv1.AddressTypeIPv4,
-		Ports:       []discoveryv1.EndpointPort{{Name: &name, Protocol: &proto, Port: &port}},
-		Endpoints:   []discoveryv1.Endpoint{{Addresses: []string{"10.244.1.5"}}},
+		Ports:       []discoveryv1.EndpointPort{{Name: &portName, Protocol: &s.proto, Port: &s.targetPort}},
+		Endpoints:   []discoveryv1.Endpoint{{Addresses: []string{s.endpoint}}},
 	}
 	if _, err := client.CoreV1().Services("ns").Create(ctx, svc, metav1.CreateOptions{}); err != nil {
 		t.Fatal(err)
@@ -113,7 +127,6 @@ func createWebService(ctx context.Context, t *testing.T, client *fake.Clientset)
 	if _, err := client.DiscoveryV1().EndpointSlices("ns").Create(ctx, slice, metav1.CreateOptions{}); err != nil {
 		t.Fatal(err)
 	}
-
 }
 
 // hasRule says whether one of rules contains every part.

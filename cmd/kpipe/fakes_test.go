@@ -3,6 +3,8 @@ package main
 import (
 	"context"
 	"log/slog"
+	"net/netip"
+	"sync"
 
 	"github.com/prometheus/client_golang/prometheus"
 	"k8s.io/client-go/kubernetes"
@@ -39,3 +41,36 @@ type noConntrack struct{}
 
 func (noConntrack) ClearStaleUDP(nf.StaleUDP) (int, error) { return 0, nil }
 func (noConntrack) Close() error                           { return nil }
+
+// recordingConntrack records the front-ends each clear was asked to delete
+// flows of (StaleUDP.Gone), as a conntrack table holding flows to all of them.
+type recordingConntrack struct {
+	mu     sync.Mutex
+	clears int
+	gone   map[netip.AddrPort]bool
+}
+
+func (r *recordingConntrack) dial() (conntrack.Clearer, error) { return r, nil }
+
+func (r *recordingConntrack) ClearStaleUDP(s nf.StaleUDP) (int, error) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.clears++
+	if r.gone == nil {
+		r.gone = map[netip.AddrPort]bool{}
+	}
+	for g := range s.Gone {
+		r.gone[g] = true
+	}
+	return len(s.Gone), nil
+}
+
+func (r *recordingConntrack) Close() error { return nil }
+
+// cleared says whether a clear was asked to delete the flows to front-end a,
+// and how many clears were made.
+func (r *recordingConntrack) cleared(a netip.AddrPort) (bool, int) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return r.gone[a], r.clears
+}

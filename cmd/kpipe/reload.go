@@ -114,9 +114,10 @@ func (o *Options) reread() (*Options, error) {
 func runReloading(ctx context.Context, o *Options, d deps, changed <-chan struct{},
 	reconfigure func(*Options, deps) (deps, error)) error {
 	var afterSyncDone atomic.Bool
+	pending := newPendingWork() // outlives the trees: a reload carries their work over
 	for {
 		d.log.Info("kpipe starting", "node", o.HostnameOverride, "families", fmt.Sprint(d.families()), "mode", "iptables")
-		d.board = bus.NewBoard()
+		d.board, d.pending = bus.NewBoard(), pending
 		treeCtx, stopTree := context.WithCancel(ctx)
 		if d.afterSync != nil && !afterSyncDone.Load() {
 			go func(board *bus.Board, families []bus.Family, afterSync func(context.Context, *slog.Logger), log *slog.Logger) {

@@ -2,8 +2,10 @@ package main
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"log/slog"
+	"net/netip"
 	"os"
 	"path/filepath"
 	"strings"
@@ -12,12 +14,15 @@ import (
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus/testutil"
+	corev1 "k8s.io/api/core/v1"
 	eventsv1 "k8s.io/api/events/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/kubernetes/fake"
 
 	"github.com/kpipe/kpipe/metrics"
 	"github.com/kpipe/kpipe/stages/commit/fakekernel"
+	"github.com/kpipe/kpipe/stages/conntrack"
 	"github.com/kpipe/kpipe/stages/events"
 )
 
@@ -108,25 +113,35 @@ iptables:
   minSyncPeriod: 0s
 `
 
-// TestReloadRebuildsTheTree: kpipe, run from a config file in a ConfigMap
-// volume on a fake apiserver and kernel, takes masqueradeAll: true from an
-// update of the file without exiting; an update with an unknown field is
-// rejected (counted, a Warning event on the Node) and the rules stay as they
-// were; a valid update after it applies again.
-func TestReloadRebuildsTheTree(t *testing.T) {
-	client, watching := watchedClient()
-	kernel := fakekernel.New()
-	var logs syncBuffer
-	log := slog.New(slog.NewTextHandler(&logs, nil))
-	d := fakeDeps(client, kernel, log)
-	var afterSyncs atomic.Int32
-	d.afterSync = func(context.Context, *slog.Logger) { afterSyncs.Add(1) }
-	cm := newConfigMapDir(t, "config.conf", reloadConfig)
+// reloadBed is kpipe on a fake apiserver and kernel, run from reloadConfig in
+// a ConfigMap volume.
+type reloadBed struct {
+	client   *fake.Clientset
+	watching <-chan string
+	kernel   *fakekernel.Kernel
+	logs     syncBuffer
+	d        deps
+	cm       *configMapDir
+}
 
-	ctx := runInBackground(t, &logs, func(ctx context.Context) error {
-		code := runWith([]string{"--config=" + cm.path()}, func(_ context.Context, o *Options) error {
-			return runReloading(ctx, o, d, watchConfigFile(ctx, o.ConfigFile, log), func(_ *Options, d deps) (deps, error) {
-				d.connect(client)
+func newReloadBed(t *testing.T) *reloadBed {
+	b := &reloadBed{kernel: fakekernel.New(), cm: newConfigMapDir(t, "config.conf", reloadConfig)}
+	b.client, b.watching = watchedClient()
+	b.d = fakeDeps(b.client, b.kernel, slog.New(slog.NewTextHandler(&b.logs, nil)))
+	return b
+}
+
+// run runs kpipe on b.d until the test ends (see runInBackground) and waits for
+// its watches. Each accepted change of the file runs a tree on next(d) (nil:
+// d), d connected to the fake apiserver anew.
+func (b *reloadBed) run(t *testing.T, next func(deps) deps) context.Context {
+	ctx := runInBackground(t, &b.logs, func(ctx context.Context) error {
+		code := runWith([]string{"--config=" + b.cm.path()}, func(_ context.Context, o *Options) error {
+			return runReloading(ctx, o, b.d, watchConfigFile(ctx, o.ConfigFile, b.d.log), func(_ *Options, d deps) (deps, error) {
+				d.connect(b.client)
+				if next != nil {
+					d = next(d)
+				}
 				return d, nil
 			})
 		})
@@ -135,7 +150,22 @@ func TestReloadRebuildsTheTree(t *testing.T) {
 		}
 		return nil
 	})
-	waitWatches(t, watching, "services", "endpointslices")
+	waitWatches(t, b.watching, "services", "endpointslices")
+	return ctx
+}
+
+// TestReloadRebuildsTheTree: kpipe, run from a config file in a ConfigMap
+// volume on a fake apiserver and kernel, takes masqueradeAll: true from an
+// update of the file without exiting; an update with an unknown field is
+// rejected (counted, a Warning event on the Node) and the rules stay as they
+// were; a valid update after it applies again.
+func TestReloadRebuildsTheTree(t *testing.T) {
+	b := newReloadBed(t)
+	client, kernel, d, cm := b.client, b.kernel, &b.d, b.cm
+	var afterSyncs atomic.Int32
+	d.afterSync = func(context.Context, *slog.Logger) { afterSyncs.Add(1) }
+
+	ctx := b.run(t, nil)
 	createWebService(ctx, t, client)
 
 	// masqueradeAll: every packet to the ClusterIP is marked for SNAT in its
@@ -175,6 +205,45 @@ func TestReloadRebuildsTheTree(t *testing.T) {
 	}
 	if n := afterSyncs.Load(); n != 1 {
 		t.Errorf("the after-first-sync step (removal of kube-proxy's nftables tables) ran %d times over three trees, want once", n)
+	}
+}
+
+// TestReloadKeepsPendingStaleFlows: a UDP Service deleted while the conntrack
+// stage cannot connect leaves its flows to clear pending; a config reload
+// then must not drop them: the next tree's conntrack stage, which can
+// connect, deletes the flows to the deleted ClusterIP. (Its own first commit
+// knows nothing of that Service: only what the old tree left pending names it.)
+func TestReloadKeepsPendingStaleFlows(t *testing.T) {
+	b := newReloadBed(t)
+	client, kernel := b.client, b.kernel
+	b.d.conntrack = func() (conntrack.Clearer, error) { return nil, errors.New("conntrack down") }
+	var ct recordingConntrack
+	ctx := b.run(t, func(d deps) deps {
+		d.conntrack = ct.dial // the new tree's conntrack stage can connect
+		return d
+	})
+	createWebService(ctx, t, client) // to see the new tree's rules
+	createService(ctx, t, client, testService{name: "dns", clusterIP: "10.96.0.53", proto: corev1.ProtocolUDP, port: 53,
+		endpoint: "10.244.1.7", targetPort: 53})
+	waitNAT(t, kernel, "ns/dns's rules", func(nat []string) bool { return hasRule(nat, "-j DNAT --to-destination 10.244.1.7:53") })
+	if err := client.CoreV1().Services("ns").Delete(ctx, "dns", metav1.DeleteOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	waitNAT(t, kernel, "ns/dns's rules gone", func(nat []string) bool { return !hasRule(nat, "10.96.0.53") })
+
+	b.cm.update(reloadConfig + "  masqueradeAll: true\n")
+	waitNAT(t, kernel, "the new tree's rules (ns/web masqueraded)", func(nat []string) bool {
+		return hasRule(nat, "-A KUBE-SVC-", "-d 10.96.0.10/32", "-j KUBE-MARK-MASQ")
+	})
+	dns := netip.MustParseAddrPort("10.96.0.53:53")
+	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(10 * time.Millisecond) {
+		cleared, clears := ct.cleared(dns)
+		if cleared {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("10s after the reload, the flows to %v (ns/dns, deleted before it) were never cleared (%d clears made)", dns, clears)
+		}
 	}
 }
 

@@ -44,6 +44,8 @@ type deps struct {
 	// metrics are registered once in registry: every tree reports to them.
 	metrics *metrics.Metrics
 	board   *bus.Board // the stages' reports; nil: a new one
+	// pending is the work one tree's stages leave another; nil: new mailboxes.
+	pending *pendingWork
 	// afterSync is done once every family has made its first full sync
 	// (removeNFTablesMode); nil: nothing.
 	afterSync func(context.Context, *slog.Logger)
@@ -71,14 +73,40 @@ func (d deps) families() []bus.Family {
 	return out
 }
 
-// buildTree makes the mailboxes and the stages and puts them under their
-// supervisors (see arrange). Control edges are typed: resend (render, commit →
-// coalesce), resync (canary → coalesce), replay (coalesce → watch), and repairs
-// (canary → commit).
+// pendingWork holds the merging mailboxes of work a stage leaves another to do,
+// per family: stale UDP flows (commit → conntrack) and repairs (canary →
+// commit). runReloading makes them once, so what one tree left pending (its
+// conntrack stage down, or stopped before its commit) is done by the next, as a
+// restarted stage finds it in its mailbox. A family's values go only to that
+// family's stages.
+type pendingWork struct {
+	flows   map[bus.Family]*bus.Mailbox[bus.StaleFlows]
+	repairs map[bus.Family]*bus.Mailbox[bus.Repair]
+}
+
+func newPendingWork() *pendingWork {
+	return &pendingWork{flows: map[bus.Family]*bus.Mailbox[bus.StaleFlows]{}, repairs: map[bus.Family]*bus.Mailbox[bus.Repair]{}}
+}
+
+// of gives family f's mailboxes, made on first use.
+func (p *pendingWork) of(f bus.Family) (*bus.Mailbox[bus.StaleFlows], *bus.Mailbox[bus.Repair]) {
+	if p.flows[f] == nil {
+		p.flows[f], p.repairs[f] = bus.NewMergingMailbox(bus.MergeStaleFlows), bus.NewMergingMailbox(bus.MergeRepairs)
+	}
+	return p.flows[f], p.repairs[f]
+}
+
+// buildTree makes the mailboxes (all but d.pending's) and the stages and puts
+// them under their supervisors (see arrange). Control edges are typed: resend
+// (render, commit → coalesce), resync (canary → coalesce), replay (coalesce →
+// watch), and repairs (canary → commit).
 func buildTree(o *Options, d deps) *supervise.Supervisor {
-	board := d.board
+	board, pending := d.board, d.pending
 	if board == nil {
 		board = bus.NewBoard()
+	}
+	if pending == nil {
+		pending = newPendingWork()
 	}
 	envs := bus.Envs{Log: d.log, Metrics: d.metrics, Board: board}
 	changes, replay := bus.NewChangeQueue(), bus.NewReplayFlag()
@@ -89,9 +117,9 @@ func buildTree(o *Options, d deps) *supervise.Supervisor {
 	var coalesceIO []coalesce.Family
 	for _, f := range d.families() {
 		snapshots, plans := bus.NewMailbox[*bus.Snapshot](), bus.NewMailbox[*bus.Plan]()
-		results, flows := bus.NewMailbox[bus.Result](), bus.NewMergingMailbox(bus.MergeStaleFlows)
-		resend := bus.NewResendFlag()
-		resync[f], repairs[f] = bus.NewResyncFlag(), bus.NewMergingMailbox(bus.MergeRepairs)
+		results, resend := bus.NewMailbox[bus.Result](), bus.NewResendFlag()
+		flows, familyRepairs := pending.of(f)
+		resync[f], repairs[f] = bus.NewResyncFlag(), familyRepairs
 		coalesceIO = append(coalesceIO, coalesce.Family{Family: f, Out: snapshots, Results: results, Resync: resync[f], Resend: resend})
 		rs := render.NewStage(render.Params{Config: o.renderConfig(f, d.host), In: snapshots, Out: plans, Resend: resend,
 			Env: envs.For(bus.Render.Of(f))})

@@ -69,3 +69,30 @@ func TestFailedPassKeepsNewerEndpoints(t *testing.T) {
 		t.Errorf("the pass after the restart clears gone %v; want both %v and %v", second.Gone, gone1, gone2)
 	}
 }
+
+// cancellingConntrack fails its pass after the stage was told to stop (a
+// config reload stops the whole tree).
+type cancellingConntrack struct{ cancel context.CancelFunc }
+
+func (c cancellingConntrack) ClearStaleUDP(nf.StaleUDP) (int, error) {
+	c.cancel()
+	return 0, errors.New("netlink: interrupted")
+}
+
+func (cancellingConntrack) Close() error { return nil }
+
+// A pass that fails while the stage is being stopped keeps its work too: the
+// next stage on the mailbox (a reload's next tree) finds it.
+func TestPassFailedWhileStoppingKeepsItsWork(t *testing.T) {
+	gone := netip.MustParseAddrPort("10.96.0.20:53")
+	in := bus.NewMergingMailbox(bus.MergeStaleFlows)
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	s := NewStage(Params{Family: bus.IPv4, In: in, Dial: func() (Clearer, error) { return cancellingConntrack{cancel}, nil },
+		Env: bus.Envs{Metrics: metrics.New(prometheus.NewRegistry())}.For(bus.Conntrack.Of(bus.IPv4))})
+	in.Put(bus.StaleFlows{Family: bus.IPv4, Gone: map[netip.AddrPort]bool{gone: true}})
+	_ = s.Run(ctx) // its error is the pass's; the supervisor stopping it ignores it
+	if left, ok := in.TryTake(); !ok || !left.Gone[gone] {
+		t.Errorf("after a pass failed while stopping, the mailbox holds %v (%v); want the flows to %v to clear", left, ok, gone)
+	}
+}
