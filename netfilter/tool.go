@@ -63,11 +63,10 @@ func (e *toolError) Error() string {
 func (e *toolError) Unwrap() error { return e.err }
 
 // noTableMessages are what the tools print when the kernel cannot have a table:
-// legacy iptables for a table whose module is not there, iptables-restore
-// (legacy) for the same, and any of them for an address family the kernel lacks
-// (strerror(EAFNOSUPPORT)).
-var noTableMessages = []string{"Table does not exist (do you need to insmod?)", "unable to initialize table",
-	"Address family not supported by protocol"}
+// legacy iptables for a table whose module is not there, and any of them for an
+// address family the kernel lacks (strerror(EAFNOSUPPORT)). (Legacy
+// iptables-restore's "unable to initialize table" gives no cause: not one.)
+var noTableMessages = []string{"Table does not exist (do you need to insmod?)", "Address family not supported by protocol"}
 
 // Is makes a run that failed for want of the table ErrNoTable.
 func (e *toolError) Is(target error) bool {
