@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"os/exec"
+	"slices"
 	"strings"
 	"time"
 
@@ -32,6 +33,11 @@ const lockWait = "5"
 // ErrNoChain says that a chain does not exist.
 var ErrNoChain = errors.New("no such chain")
 
+// ErrNoTable says that the kernel cannot have the table at all: its module is
+// missing (legacy iptables' "Table does not exist (do you need to insmod?)"), or
+// the family is not supported (EAFNOSUPPORT). Trying again cannot help.
+var ErrNoTable = errors.New("the kernel has no such table")
+
 func (t Tool) binary(name string) string {
 	if t.Family == bus.IPv6 {
 		return "ip6tables" + t.backend + name
@@ -55,6 +61,20 @@ func (e *toolError) Error() string {
 }
 
 func (e *toolError) Unwrap() error { return e.err }
+
+// noTableMessages are what the tools print when the kernel cannot have a table:
+// legacy iptables for a table whose module is not there, and any of them for an
+// address family the kernel lacks (strerror(EAFNOSUPPORT)). (Legacy
+// iptables-restore's "unable to initialize table" gives no cause: not one.)
+var noTableMessages = []string{"Table does not exist (do you need to insmod?)", "Address family not supported by protocol"}
+
+// Is makes a run that failed for want of the table ErrNoTable.
+func (e *toolError) Is(target error) bool {
+	if target != ErrNoTable {
+		return false
+	}
+	return slices.ContainsFunc(noTableMessages, func(m string) bool { return strings.Contains(e.stderr, m) })
+}
 
 // runTool runs binary with args under ctx, with stdin (when not nil) as its input,
 // and returns what it printed; what it wrote to stderr goes into the error.

@@ -375,3 +375,26 @@ func TestHasRandomFullyBoundedWait(t *testing.T) {
 		t.Errorf("HasRandomFully took %v with a hanging iptables; want about %v", d, versionWait)
 	}
 }
+
+// A table the kernel cannot have is told from a failure that may pass: legacy
+// iptables asked about a table that does not exist (here an unknown name, which
+// it answers as it answers a table whose module is not loaded) fails with
+// ErrNoTable; a held lock does not.
+func TestNoTable(t *testing.T) {
+	tool := legacy(t, bus.IPv4)
+	ns := netnstest.New(t)
+	ns.Run(t, func() error {
+		_, err := tool.CanaryAlive(context.Background(), "kpipe-no-such-table")
+		if !errors.Is(err, ErrNoTable) {
+			return fmt.Errorf("CanaryAlive in a table the kernel lacks = %v; want ErrNoTable", err)
+		}
+		return nil
+	})
+	holdXtablesLock(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 300*time.Millisecond)
+	defer cancel()
+	err := within(t, ns, 2*time.Second, func() error { _, err := tool.CanaryAlive(ctx, TableNAT); return err })
+	if err == nil || errors.Is(err, ErrNoTable) {
+		t.Errorf("CanaryAlive with the lock held = %v; want an error other than ErrNoTable", err)
+	}
+}

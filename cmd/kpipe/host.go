@@ -1,11 +1,18 @@
 package main
 
 import (
+	"context"
+	"errors"
 	"log/slog"
 	"os"
 	"os/exec"
+	"slices"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/kpipe/kpipe/bus"
+	"github.com/kpipe/kpipe/metrics"
 	nf "github.com/kpipe/kpipe/netfilter"
 	"github.com/kpipe/kpipe/stages/render"
 )
@@ -14,20 +21,37 @@ import (
 type hostProbes struct {
 	exists   func(path string) bool
 	lookPath func(file string) (string, error)
+	// listNAT lists a family's nat POSTROUTING (kube-proxy's Present check).
+	listNAT func(f bus.Family) error
 }
 
 var realHost = hostProbes{
 	exists:   func(path string) bool { _, err := os.Stat(path); return err == nil },
 	lookPath: exec.LookPath,
+	listNAT:  listNAT,
+}
+
+// natProbeWait bounds the nat probe (its iptables waits up to 5 s for the lock).
+const natProbeWait = 10 * time.Second
+
+// listNAT lists f's nat POSTROUTING, which reads the table and writes nothing.
+func listNAT(f bus.Family) error {
+	ctx, cancel := context.WithTimeout(context.Background(), natProbeWait)
+	defer cancel()
+	_, err := nf.Tool{Family: f}.ListChain(ctx, nf.TableNAT, "POSTROUTING")
+	return err
 }
 
 // hostFamilies lists the IP families kpipe programs on this host.
 func hostFamilies(log *slog.Logger) []bus.Family { return familiesOf(realHost, log) }
 
-// familiesOf decides the families from what the host is, never from one run of a
-// tool: IPv4 always; IPv6 when the kernel has IPv6 and ip6tables-restore is
-// installed. A family whose tools then fail is retried by the pipeline (and shows
-// on /healthz); it is not switched off for the life of the process.
+// familiesOf decides the families from what the host is, never from a failure
+// that may pass: IPv4 always; IPv6 when the kernel has IPv6, ip6tables-restore is
+// installed and the kernel has an IPv6 nat table (as kube-proxy, which runs a
+// family only if its iptables can list nat POSTROUTING). Only a table the kernel
+// cannot have (nf.ErrNoTable) leaves IPv6 out: a family whose tools fail
+// otherwise (a held lock, a slow module load) is retried by the pipeline (and
+// shows on /healthz); it is not switched off for the life of the process.
 func familiesOf(p hostProbes, log *slog.Logger) []bus.Family {
 	fams := []bus.Family{bus.IPv4}
 	kernel := p.exists("/proc/net/if_inet6") || p.exists("/proc/sys/net/ipv6")
@@ -38,9 +62,33 @@ func familiesOf(p hostProbes, log *slog.Logger) []bus.Family {
 	case toolErr != nil:
 		log.Info("IPv6 off: ip6tables-restore is not installed", "err", toolErr)
 	default:
+		natErr := p.listNAT(bus.IPv6)
+		if errors.Is(natErr, nf.ErrNoTable) {
+			log.Warn("IPv6 off: the kernel has no IPv6 nat table; kpipe programs IPv4 alone", "err", natErr)
+			break
+		}
+		if natErr != nil {
+			log.Warn("ip6tables failed at start; IPv6 kept, its commits retry", "err", natErr)
+		}
 		fams = append(fams, bus.IPv6)
 	}
 	return fams
+}
+
+// registerFamilies reports on the metrics listener which families kpipe programs
+// (1) and which the host left out (0). Not on /healthz: its body stays
+// kube-proxy's, on a port every pod can reach.
+func registerFamilies(reg prometheus.Registerer, programmed []bus.Family) {
+	g := prometheus.NewGaugeVec(prometheus.GaugeOpts{Name: "kpipe_ip_family_programmed",
+		Help: "1 for an IP family kpipe programs, 0 for one the host cannot have (see the IPv6 off log line)"}, []string{metrics.IPFamily})
+	for _, f := range []bus.Family{bus.IPv4, bus.IPv6} {
+		v := 0.0
+		if slices.Contains(programmed, f) {
+			v = 1
+		}
+		g.WithLabelValues(f.String()).Set(v)
+	}
+	reg.MustRegister(g)
 }
 
 // hostFacts are what start-up learned about the host that render needs.

@@ -57,10 +57,12 @@ func realDeps(o *Options, log *slog.Logger) (deps, error) {
 	if err != nil {
 		return deps{}, err
 	}
-	for _, f := range hostFamilies(log) {
+	families := hostFamilies(log)
+	for _, f := range families {
 		d.kernels[f], d.canaries[f] = nf.Tool{Family: f, Writer: writer}, nf.Tool{Family: f}
 	}
 	d.registry.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+	registerFamilies(d.registry, families)
 	d.metrics = metrics.New(d.registry)
 	d.registry.MustRegister(prometheus.NewCounterFunc(prometheus.CounterOpts{
 		Name: "kpipe_netlink_writer_fallbacks_total",

@@ -58,6 +58,12 @@ type Stage struct {
 	repairs  map[bus.Family]*bus.Mailbox[bus.Repair]
 	subs     map[bus.Family]Subscribe
 	started  bool // Run ran before: changes made while it was down went unseen
+	// seen are the canaries (by family, then table) seen alive or made: only
+	// those count as flushed when gone. noTable are the tables the kernel cannot
+	// have (legacy without iptable_mangle): given up, not watched. Both outlive
+	// Run, so a restarted stage neither resyncs for a canary that never was nor
+	// asks again about a table that cannot be.
+	seen, noTable map[bus.Family]map[string]bool
 }
 
 // NewStage makes the canary stage.
@@ -78,8 +84,12 @@ func NewStage(p Params) *Stage {
 			}
 		}
 	}
-	return &Stage{interval: p.Interval, resync: p.Resync, log: p.Env.Log, tools: tools, failures: map[bus.Family]int{},
-		repairs: p.Repairs, subs: subs}
+	s := &Stage{interval: p.Interval, resync: p.Resync, log: p.Env.Log, tools: tools, failures: map[bus.Family]int{},
+		repairs: p.Repairs, subs: subs, seen: map[bus.Family]map[string]bool{}, noTable: map[bus.Family]map[string]bool{}}
+	for f := range tools {
+		s.seen[f], s.noTable[f] = map[string]bool{}, map[string]bool{}
+	}
+	return s
 }
 
 // Run repairs what others change (nf_tables) or checks the canaries every
@@ -95,7 +105,7 @@ func (s *Stage) Run(ctx context.Context) error {
 			// as a canary gone.
 			err = s.check(ctx, f, tool)
 		} else {
-			err = tool.EnsureCanaries(ctx, tables)
+			err = s.ensure(ctx, f, tool)
 		}
 		if err != nil {
 			if ctx.Err() != nil {
@@ -221,13 +231,13 @@ func receive(ctx context.Context, f bus.Family, sub Changes, out chan<- familyCh
 // does: one gone means a flush, and everything is rewritten.
 func (s *Stage) repair(ctx context.Context, f bus.Family, t tamper) error {
 	if t.overflowed {
-		for _, table := range tables {
+		for _, table := range s.watched(f) {
 			alive, err := s.tools[f].CanaryAlive(ctx, table)
 			if err != nil {
 				s.log.Warn("nf_tables changes lost, and cannot check the canary", "family", f, "table", table, "err", err)
 				break
 			}
-			if !alive {
+			if !alive && s.seen[f][table] {
 				t.lost = true
 				break
 			}
@@ -239,20 +249,23 @@ func (s *Stage) repair(ctx context.Context, f bus.Family, t tamper) error {
 		s.repairs[f].Put(rep)
 	}
 	if canaries {
-		if err := s.tools[f].EnsureCanaries(ctx, tables); err != nil {
+		if err := s.ensure(ctx, f, s.tools[f]); err != nil {
 			return fmt.Errorf("put the %v canaries back: %w", f, err)
 		}
 	}
 	return nil
 }
 
-// check asks for a full resync of family f when a canary is gone, and puts the
-// canaries back. An iptables error is not a flush (a resync would rewrite every
-// rule for nothing): it is logged and counted, and only after maxFailures in a
-// row does check fail.
+// check asks for a full resync of family f when a canary seen alive before is
+// gone, and puts the canaries back. An iptables error is not a flush (a resync
+// would rewrite every rule for nothing): it is logged and counted, and only
+// after maxFailures in a row does check fail.
 func (s *Stage) check(ctx context.Context, f bus.Family, tool Canaries) error {
-	for _, t := range tables {
+	for _, t := range s.watched(f) {
 		alive, err := tool.CanaryAlive(ctx, t)
+		if s.giveUp(f, t, err) {
+			continue
+		}
 		if err != nil {
 			s.failures[f]++
 			if s.failures[f] >= maxFailures {
@@ -263,15 +276,58 @@ func (s *Stage) check(ctx context.Context, f bus.Family, tool Canaries) error {
 			return nil
 		}
 		if alive {
+			s.seen[f][t] = true
 			continue
 		}
-		s.log.Warn("canary gone: the tables were flushed; resyncing", "family", f, "table", t)
-		s.resync[f].Raise() // first: a failure to put the canary back must not lose it
-		if err := tool.EnsureCanaries(ctx, tables); err != nil {
+		// A canary never seen (its making failed) is made, not taken for a flush.
+		if s.seen[f][t] {
+			s.log.Warn("canary gone: the tables were flushed; resyncing", "family", f, "table", t)
+			s.resync[f].Raise() // first: a failure to put the canary back must not lose it
+		}
+		if err := s.ensure(ctx, f, tool); err != nil {
 			return fmt.Errorf("put the %v canaries back: %w", f, err)
 		}
 		break
 	}
 	s.failures[f] = 0
 	return nil
+}
+
+// ensure puts f's canaries in place, table by table, giving up the tables the
+// kernel cannot have.
+func (s *Stage) ensure(ctx context.Context, f bus.Family, tool Canaries) error {
+	for _, t := range s.watched(f) {
+		err := tool.EnsureCanaries(ctx, []string{t})
+		if s.giveUp(f, t, err) {
+			continue
+		}
+		if err != nil {
+			return err
+		}
+		s.seen[f][t] = true
+	}
+	return nil
+}
+
+// giveUp stops watching table t of family f when err says the kernel cannot
+// have it (kube-proxy keeps retrying such a canary every interval and never
+// watches the others).
+func (s *Stage) giveUp(f bus.Family, t string, err error) bool {
+	if !errors.Is(err, nf.ErrNoTable) {
+		return false
+	}
+	s.noTable[f][t] = true
+	s.log.Warn("no canary in a table the kernel does not have; watching the other tables", "family", f, "table", t, "err", err)
+	return true
+}
+
+// watched are f's tables that can hold a canary.
+func (s *Stage) watched(f bus.Family) []string {
+	var out []string
+	for _, t := range tables {
+		if !s.noTable[f][t] {
+			out = append(out, t)
+		}
+	}
+	return out
 }

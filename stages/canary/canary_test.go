@@ -136,3 +136,82 @@ func TestSubscribedStageStops(t *testing.T) {
 		}
 	})
 }
+
+// TestTableWithoutCanaryIsGivenUp: on a legacy host without iptable_mangle the
+// mangle canary can never be made. The stage gives that table up and keeps
+// watching nat and filter: restarted ten times it neither asks for a full
+// resync nor fails, and stops asking iptables about mangle; a flush of nat is
+// still noticed. Both answers iptables may give about the missing table: the
+// canary is not there (nf_tables), or the table does not exist (legacy).
+func TestTableWithoutCanaryIsGivenUp(t *testing.T) {
+	for _, answer := range []noTableAnswer{answersGone, answersError} {
+		fake := newTableCanaries(map[string]noTableAnswer{nf.TableMangle: answer})
+		resync := bus.NewResyncFlag()
+		s := NewStage(Params{Interval: time.Millisecond, Resync: map[bus.Family]*bus.ResyncFlag{bus.IPv4: resync},
+			Tools: map[bus.Family]Canaries{bus.IPv4: fake}, Env: bus.Envs{}.For(bus.Canary)})
+		var resyncs, failures []int
+		var mangleAsked int
+		for run := range 10 {
+			if err := runWhileChecking(t, s, fake, nil); err != nil {
+				failures = append(failures, run)
+				t.Logf("answer %d, run %d: %v", answer, run, err)
+			}
+			if resync.Lower() {
+				resyncs = append(resyncs, run)
+			}
+			if run == 0 {
+				mangleAsked = fake.calls(nf.TableMangle)
+			}
+		}
+		if len(resyncs) > 0 || len(failures) > 0 {
+			t.Errorf("answer %d: over 10 runs of the stage, full resyncs asked for at runs %v and runs failed at %v; want none",
+				answer, resyncs, failures)
+		}
+		if n := fake.calls(nf.TableMangle) - mangleAsked; n > 0 {
+			t.Errorf("answer %d: iptables asked %d more times about the mangle canary after the first run", answer, n)
+		}
+		// nat is still watched: flushed while the stage runs, it asks for a resync
+		// and the canary is put back.
+		flushed := false
+		if err := runWhileChecking(t, s, fake, func() bool {
+			if !flushed {
+				fake.flush(nf.TableNAT)
+				flushed = true
+			}
+			return resync.Lower()
+		}); err != nil {
+			t.Errorf("answer %d: Run = %v after nat was flushed", answer, err)
+		}
+		if alive, _ := fake.CanaryAlive(context.Background(), nf.TableNAT); !alive {
+			t.Errorf("answer %d: the nat canary was not put back", answer)
+		}
+	}
+}
+
+// runWhileChecking runs s until it has checked fake's nat canary twice more and
+// until (if not nil) returns true, then stops it and returns what Run returned;
+// or returns at once what Run returns if it ends by itself.
+func runWhileChecking(t *testing.T, s *Stage, fake *tableCanaries, until func() bool) error {
+	t.Helper()
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	done := make(chan error, 1)
+	go func() { done <- s.Run(ctx) }()
+	checked := fake.calls(nf.TableNAT) + 2
+	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(time.Millisecond) {
+		select {
+		case err := <-done:
+			return err
+		default:
+		}
+		if fake.calls(nf.TableNAT) >= checked && (until == nil || until()) {
+			cancel()
+			return <-done
+		}
+		if time.Now().After(deadline) {
+			cancel()
+			<-done
+			t.Fatal("the stage did not check the nat canary within 10s")
+		}
+	}
+}

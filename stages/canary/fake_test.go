@@ -3,11 +3,13 @@ package canary
 import (
 	"context"
 	"errors"
+	"fmt"
 	"sync"
 	"testing"
 	"time"
 
 	"github.com/kpipe/kpipe/bus"
+	nf "github.com/kpipe/kpipe/netfilter"
 )
 
 // fakeCanaries answers CanaryAlive from its fields.
@@ -90,8 +92,13 @@ func TestCheckErrorIsNotAFlush(t *testing.T) {
 // A flush is noticed even when putting the canary back fails: the resync is
 // asked for first, so it is not lost with the error.
 func TestFlushResyncsEvenIfRepairFails(t *testing.T) {
-	fake := &fakeCanaries{alive: false, ensureErr: errors.New("iptables: lock")}
+	fake := &fakeCanaries{alive: true}
 	s, resync := fakeStage(fake)
+	if err := s.check(context.Background(), bus.IPv4, fake); err != nil { // seen alive
+		t.Fatal(err)
+	}
+	fake.set(false, nil)
+	fake.ensureErr = errors.New("iptables: lock")
 	if err := s.check(context.Background(), bus.IPv4, fake); err == nil {
 		t.Error("check hid the failure to put the canary back")
 	}
@@ -128,4 +135,67 @@ func TestRunFailsAfterRepeatedErrors(t *testing.T) {
 	if resync.Lower() {
 		t.Error("failing checks asked for a resync")
 	}
+}
+
+// tableCanaries keeps a canary per table, as iptables does; a table in noTable
+// cannot hold one (a legacy kernel without that table's module): making it fails
+// with noTableErr, and asking about it answers as noTable says.
+type tableCanaries struct {
+	mu      sync.Mutex
+	alive   map[string]bool
+	noTable map[string]noTableAnswer
+	asked   map[string]int // EnsureCanaries and CanaryAlive calls, by table
+}
+
+// noTableAnswer is how CanaryAlive answers about a table that cannot exist.
+type noTableAnswer int
+
+const (
+	answersGone  noTableAnswer = iota + 1 // false, nil: "No chain by that name" (nf_tables)
+	answersError                          // the error (legacy: "Table does not exist")
+)
+
+// noTableErr is legacy iptables' answer for a table whose module is not loaded.
+var noTableErr = fmt.Errorf("iptables -w 5 -t mangle -S KUBE-PROXY-CANARY 1: exit status 3: "+
+	"iptables v1.8.9 (legacy): can't initialize iptables table `mangle': Table does not exist (do you need to insmod?): %w", nf.ErrNoTable)
+
+func newTableCanaries(noTable map[string]noTableAnswer) *tableCanaries {
+	return &tableCanaries{alive: map[string]bool{}, noTable: noTable, asked: map[string]int{}}
+}
+
+func (f *tableCanaries) EnsureCanaries(ctx context.Context, tables []string) error {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	for _, t := range tables {
+		f.asked[t]++
+		if f.noTable[t] != 0 {
+			return noTableErr
+		}
+		f.alive[t] = true
+	}
+	return nil
+}
+
+func (f *tableCanaries) CanaryAlive(ctx context.Context, table string) (bool, error) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.asked[table]++
+	if f.noTable[table] == answersError {
+		return false, noTableErr
+	}
+	return f.alive[table], nil
+}
+
+// flush removes table's canary, as iptables -F does.
+func (f *tableCanaries) flush(table string) {
+	f.mu.Lock()
+	f.alive[table] = false
+	f.mu.Unlock()
+}
+
+// calls is how often table was asked about.
+func (f *tableCanaries) calls(table string) int {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	return f.asked[table]
 }
