@@ -108,12 +108,23 @@ func nfproto(f bus.Family) uint8 {
 	return nfprotoIPv4
 }
 
-// readTries bounds how often netlinkDigests reads again when the ruleset changed
-// while it read.
-const readTries = 5
+// readTries bounds the reads in a row that settle no chain (another writer
+// changed the ruleset during each), each after a longer wait than the last
+// (readBackoff, doubled: 1.27 s in all), before a read gives up on the chains
+// it has not settled.
+const readTries = 8
+
+// readBackoff is the wait after the first read that settled nothing.
+const readBackoff = 10 * time.Millisecond
 
 // errChanged says that the ruleset changed during a read, which is then unusable.
 var errChanged = errors.New("nf_tables ruleset changed during the read")
+
+// ErrBusy says that another writer kept changing the ruleset while Digests
+// read it, so that some chains could not be read while it stood still. Digests
+// returns it with the digests of the chains it could read: a caller can act on
+// those and treat the others as unknown.
+var ErrBusy = errors.New("the nf_tables ruleset kept changing during the read")
 
 // recvSize is the receive buffer. The kernel fills at most 32 KiB per part of a
 // dump, and only that much when the reader offers as much: with one page per
@@ -121,25 +132,58 @@ var errChanged = errors.New("nf_tables ruleset changed during the read")
 // and the kernel walks the table from its start again for each.
 const recvSize = 64 << 10
 
-// netlinkDigests reads the chains and rules of table from the kernel. Chains and
-// rules come in separate dumps; the ruleset generation, read before and after,
-// says whether they are of one ruleset, else it reads again.
+// netlinkDigests reads the chains and rules of table from the kernel. The
+// ruleset generation, which a change of any table of any family bumps, says
+// whether a read stood still: chains by name are read one at a time, the
+// generation after each, so a change costs a new read of only the chains from
+// the one it came during; a whole table is read again whole.
 func (t Tool) netlinkDigests(ctx context.Context, table string, names []string) (map[string]uint64, error) {
 	n, done, err := t.openReader(ctx, table)
 	if err != nil {
 		return nil, err
 	}
 	defer done()
-	for range readTries {
-		d, err := n.digests(names)
+	d := make(map[string]uint64, len(names))
+	todo, read := names, n.named
+	if names == nil {
+		todo, read = []string{""}, n.whole // "": the whole table
+	}
+	for tries := 1; len(todo) > 0; {
+		left, err := read(todo, d)
 		if ctx.Err() != nil {
 			return nil, fmt.Errorf("read %s over netlink: %w", table, ctx.Err())
 		}
-		if !errors.Is(err, errChanged) {
-			return d, err
+		if err != nil {
+			return nil, err
 		}
+		if len(left) < len(todo) {
+			tries = 1 // settled some: go on at once
+		} else if tries++; tries > readTries {
+			break
+		} else if err := sleep(ctx, readBackoff<<(tries-2)); err != nil {
+			return nil, fmt.Errorf("read %s over netlink: %w", table, err)
+		}
+		todo = left
 	}
-	return nil, fmt.Errorf("read %s over netlink: %w %d times", table, errChanged, readTries)
+	if len(todo) == 0 {
+		return d, nil
+	}
+	if names == nil {
+		return nil, fmt.Errorf("read %s over netlink: %w", table, ErrBusy)
+	}
+	return d, fmt.Errorf("read %s over netlink: %d of %d chains: %w", table, len(todo), len(names), ErrBusy)
+}
+
+// sleep waits for d or the end of ctx.
+func sleep(ctx context.Context, d time.Duration) error {
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-ctx.Done():
+		return ctx.Err()
+	case <-t.C:
+		return nil
+	}
 }
 
 // openReader opens a netlink reader of table that ctx bounds; done closes it.
@@ -179,33 +223,81 @@ type nftReader struct {
 	seq    uint32 // of the last request; far from the writer's batches' numbers
 }
 
-// digests reads once: errChanged when the ruleset changed meanwhile.
-func (n *nftReader) digests(names []string) (map[string]uint64, error) {
-	before, err := n.generation()
+// named reads the digests of the chains of names (those that exist) into d, in
+// order, while the ruleset stands still: from the listing of the chains to the
+// end of each chain's rules (the listing must still hold: a rule dump of a
+// chain that went answers as an empty chain would). It returns the chains it
+// did not settle: from the first one a change came during, to the end.
+func (n *nftReader) named(names []string, d map[string]uint64) (left []string, err error) {
+	start, err := n.generation()
 	if err != nil {
 		return nil, err
 	}
 	chains, err := n.chains(names)
+	if err == nil {
+		err = n.still(start)
+	}
+	if errors.Is(err, errChanged) {
+		return names, nil
+	}
 	if err != nil {
 		return nil, err
 	}
-	if len(chains) > 0 {
-		if err := n.hashRules(chains, names != nil); err != nil {
+	seen := map[uint64]struct{}{}
+	for i, name := range names {
+		h, ok := chains[name]
+		if !ok {
+			continue // not there when listed, and nothing changed since
+		}
+		err := n.hashRules(name, chains, seen)
+		if err == nil {
+			err = n.still(start)
+		}
+		if errors.Is(err, errChanged) {
+			return names[i:], nil
+		}
+		if err != nil {
 			return nil, err
 		}
+		d[name] = uint64(*h)
 	}
-	after, err := n.generation()
+	return nil, nil
+}
+
+// whole reads the digests of every chain of the table into d in one dump (the
+// table's cost grows with the square of its size: see Digests), all or none:
+// left is todo when the ruleset changed meanwhile.
+func (n *nftReader) whole(todo []string, d map[string]uint64) (left []string, err error) {
+	start, err := n.generation()
 	if err != nil {
 		return nil, err
 	}
-	if after != before {
-		return nil, errChanged
+	chains, err := n.chains(nil)
+	if err == nil && len(chains) > 0 {
+		err = n.hashRules("", chains, map[uint64]struct{}{})
 	}
-	d := make(map[string]uint64, len(chains))
+	if err == nil {
+		err = n.still(start)
+	}
+	if errors.Is(err, errChanged) {
+		return todo, nil
+	}
+	if err != nil {
+		return nil, err
+	}
 	for name, h := range chains {
 		d[name] = uint64(*h)
 	}
-	return d, nil
+	return nil, nil
+}
+
+// still says errChanged unless the ruleset generation is still gen.
+func (n *nftReader) still(gen uint32) error {
+	now, err := n.generation()
+	if err == nil && now != gen {
+		err = errChanged
+	}
+	return err
 }
 
 // query sends one request (msgType with flags, its attributes written by
@@ -386,22 +478,22 @@ func (n *nftReader) chains(names []string) (map[string]*digest, error) {
 	return chains, nil
 }
 
-// hashRules folds the rules of the chains into their hashes, in the kernel's
-// order: with one dump of the whole table, or, when perChain, with one dump per
-// chain (the kernel resumes each part of a dump by walking the table from its
-// start, so the table's dump costs the square of its size; a chain's dump only
-// that chain). The chains' dumps cannot share one send: a dump ends only when
-// its reader asks for the part after its last, and until then the socket
-// refuses the next dump (EBUSY; 64 requests a send measured 10× slower). So
-// each chain takes a send and two receives, neither of which waits.
-func (n *nftReader) hashRules(chains map[string]*digest, perChain bool) error {
-	// The kernel resumes each part of a dump at a count of the rules it went
-	// through, counting the not yet committed rules of a writer's transaction
-	// too: when such rules come or go between two parts, the next part repeats
-	// rules (seen on 6.18), and the generation does not change. A rule's handle is
-	// unique in its table, so a repeat is dropped.
-	seen := map[uint64]struct{}{}
-	fold := func(attrs []byte) error {
+// hashRules folds the rules of chain (of the whole table when chain is "")
+// into the hashes of chains, in the kernel's order. A table's dump costs the
+// square of its size (the kernel resumes each part of a dump by walking the
+// table from its start), a chain's only that chain. The chains' dumps cannot
+// share one send: a dump ends only when its reader asks for the part after its
+// last, and until then the socket refuses the next dump (EBUSY; 64 requests a
+// send measured 10× slower). So each chain takes a send and two receives,
+// neither of which waits.
+//
+// The kernel resumes each part of a dump at a count of the rules it went
+// through, counting the not yet committed rules of a writer's transaction too:
+// when such rules come or go between two parts, the next part repeats rules
+// (seen on 6.18), and the generation does not change. A rule's handle is
+// unique in its table, so a repeat (a handle in seen) is dropped.
+func (n *nftReader) hashRules(chain string, chains map[string]*digest, seen map[uint64]struct{}) error {
+	err := n.dumpRules(chain, func(attrs []byte) error {
 		r, err := decodeRule(attrs)
 		if err != nil {
 			return err
@@ -414,26 +506,14 @@ func (n *nftReader) hashRules(chains map[string]*digest, perChain bool) error {
 			return r.hashInto(d)
 		}
 		return nil
+	})
+	if errors.Is(err, syscall.ENOENT) { // the table went after the chains were listed
+		return errChanged
 	}
-	dump := func(chain string) error {
-		err := n.dumpRules(chain, fold)
-		if errors.Is(err, syscall.ENOENT) { // the chain went after the chain dump
-			return errChanged
-		}
-		if err != nil {
-			return fmt.Errorf("nf_tables rules of %s %s: %w", n.table, chain, err)
-		}
-		return nil
+	if err != nil && !errors.Is(err, errChanged) {
+		return fmt.Errorf("nf_tables rules of %s %s: %w", n.table, chain, err)
 	}
-	if !perChain {
-		return dump("")
-	}
-	for chain := range chains {
-		if err := dump(chain); err != nil {
-			return err
-		}
-	}
-	return nil
+	return err
 }
 
 // dumpRules calls each with every rule of chain (of the whole table when chain

@@ -11,6 +11,8 @@ import (
 	"os/exec"
 	"slices"
 	"strings"
+	"sync"
+	"sync/atomic"
 	"syscall"
 	"testing"
 	"time"
@@ -374,9 +376,11 @@ func TestDigestsHonourContext(t *testing.T) {
 	}
 }
 
-// While another writer switches the table between two rulesets, every answer is
-// the digests of one of them, never a mix of chains from one and rules from the
-// other.
+// While another writer switches the table between two rulesets, every answer
+// for the whole table is the digests of one of them; an answer by name may take
+// each chain from either (each chain is read while nothing changes, not all at
+// once), but every chain's digest, or its absence, is that chain's in one of
+// them, never a mix of its listing from one and its rules from the other.
 func TestDigestsConsistentWhileRulesChange(t *testing.T) {
 	for _, tool := range tools(t) {
 		t.Run(tool.binary(""), func(t *testing.T) {
@@ -405,25 +409,10 @@ func TestDigestsConsistentWhileRulesChange(t *testing.T) {
 			if maps.Equal(want[0], want[1]) {
 				t.Fatal("the two rulesets have the same digests")
 			}
-			done := make(chan struct{})
-			writer := make(chan error, 1)
-			go ns.Run(t, func() error {
-				for i := 0; ; i++ {
-					select {
-					case <-done:
-						writer <- nil
-						return nil
-					default:
-					}
-					if err := restoreNow(tool, []string{base, other}[i%2]); err != nil {
-						writer <- err
-						return nil
-					}
-				}
-			})
+			_, stop := keepWriting(t, ns, tool, 0, func(i int) string { return []string{base, other}[i%2] })
 			answers, changed := 0, 0
 			ns.Run(t, func() error {
-				defer close(done)
+				defer stop()
 				// Every other read asks for the chains by name (one dump each).
 				named := append(slices.Clone(digestChains), "KUBE-EXTRA")
 				for i, end := 0, time.Now().Add(time.Second); time.Now().Before(end); i++ {
@@ -432,7 +421,7 @@ func TestDigestsConsistentWhileRulesChange(t *testing.T) {
 						names = named
 					}
 					d, err := tool.Digests(context.Background(), TableNAT, names)
-					if errors.Is(err, errChanged) {
+					if errors.Is(err, ErrBusy) {
 						changed++
 						continue
 					}
@@ -440,13 +429,19 @@ func TestDigestsConsistentWhileRulesChange(t *testing.T) {
 						return err
 					}
 					answers++
-					if !maps.Equal(d, only(want[0], names)) && !maps.Equal(d, only(want[1], names)) {
-						return fmt.Errorf("answer %d (names %q) is neither ruleset: %v; want %v or %v", answers, names, d, want[0], want[1])
+					if names == nil && !maps.Equal(d, want[0]) && !maps.Equal(d, want[1]) {
+						return fmt.Errorf("answer %d for the table is neither ruleset: %v; want %v or %v", answers, d, want[0], want[1])
+					}
+					for _, name := range names {
+						got, ok := d[name]
+						if !eitherHas(want, name, got, ok) {
+							return fmt.Errorf("answer %d (names %q): %s is %x (there: %v), in neither ruleset: %v or %v", answers, names, name, got, ok, want[0], want[1])
+						}
 					}
 				}
 				return nil
 			})
-			if err := <-writer; err != nil {
+			if err := stop(); err != nil {
 				t.Fatal(err)
 			}
 			t.Logf("%d answers, %d reads that gave up on a changing ruleset", answers, changed)
@@ -457,18 +452,15 @@ func TestDigestsConsistentWhileRulesChange(t *testing.T) {
 	}
 }
 
-// only is d restricted to names (all of d when names is nil).
-func only(d map[string]uint64, names []string) map[string]uint64 {
-	if names == nil {
-		return d
-	}
-	out := map[string]uint64{}
-	for _, name := range names {
-		if v, ok := d[name]; ok {
-			out[name] = v
+// eitherHas says whether one of the rulesets' digests has chain as read: with
+// digest d when there, or without it when not.
+func eitherHas(rulesets [2]map[string]uint64, chain string, d uint64, there bool) bool {
+	for _, r := range rulesets {
+		if want, ok := r[chain]; ok == there && (!there || want == d) {
+			return true
 		}
 	}
-	return out
+	return false
 }
 
 // scalePayload is a nat table of n bucket chains with four rules each, in the
@@ -614,4 +606,95 @@ func TestChainNames(t *testing.T) {
 			})
 		})
 	}
+}
+
+// Another agent writing to its own table, in the other family, all the time (a
+// CNI on every pod start, the other family's commit) bumps the namespace's
+// ruleset generation during every long read. Digests still answers, with the
+// digests the chains have when nobody writes.
+func TestDigestsWhileAnotherTableChanges(t *testing.T) {
+	tool := Tool{Family: bus.IPv4}
+	if !OnNFTables(bus.IPv4) {
+		t.Skip("the generation is nf_tables'")
+	}
+	ns := netnstest.New(t)
+	names := []string{"KUBE-NO-SUCH"}
+	var quiet map[string]uint64
+	ns.Run(t, func() error {
+		if err := restoreNow(tool, string(scalePayload(2000))); err != nil {
+			return err
+		}
+		for i := range 2000 {
+			names = append(names, fmt.Sprintf("KUBE-SVCS-%05d", i))
+		}
+		d, err := digestsNow(tool, TableNAT, names)
+		quiet = d
+		return err
+	})
+	if len(quiet) != 2000 {
+		t.Fatalf("%d digests of 2000 chains", len(quiet))
+	}
+	writes, stop := keepWriting(t, ns, Tool{Family: bus.IPv6}, time.Millisecond, func(i int) string {
+		return fmt.Sprintf("*filter\n:OTHERCNI-POD - [0:0]\n-A OTHERCNI-POD -s fd00::%x/128 -j ACCEPT\nCOMMIT\n", i%2+1)
+	})
+	ns.Run(t, func() error {
+		defer stop()
+		// Read while the other agent writes at least 50 times, at least 3 times.
+		for reads := 0; reads < 3 || writes.Load() < 50; reads++ {
+			d, err := tool.Digests(context.Background(), TableNAT, names)
+			if err != nil {
+				return fmt.Errorf("read %d while another table changes: %w", reads+1, err)
+			}
+			if !maps.Equal(d, quiet) {
+				return fmt.Errorf("read %d: %d digests while another table changes, %d of them as when quiet; want all %d", reads+1, len(d), countEqual(d, quiet), len(quiet))
+			}
+		}
+		return nil
+	})
+	if err := stop(); err != nil {
+		t.Fatal(err)
+	}
+	t.Logf("the other agent wrote %d times", writes.Load())
+}
+
+// keepWriting writes payload(i) with tool in ns, for i = 0, 1, … with pause
+// between writes, on another goroutine, until stop, which returns the first
+// error (stop may be called more than once); writes counts them.
+func keepWriting(t *testing.T, ns *netnstest.Namespace, tool Tool, pause time.Duration, payload func(i int) string) (writes *atomic.Int64, stop func() error) {
+	done := make(chan struct{})
+	writer := make(chan error, 1)
+	writes = new(atomic.Int64)
+	go ns.Run(t, func() error {
+		for i := 0; ; i++ {
+			select {
+			case <-done:
+				writer <- nil
+				return nil
+			default:
+			}
+			if err := restoreNow(tool, payload(i)); err != nil {
+				writer <- err
+				return nil
+			}
+			writes.Add(1)
+			time.Sleep(pause)
+		}
+	})
+	var once sync.Once
+	var err error
+	return writes, func() error {
+		once.Do(func() { close(done); err = <-writer })
+		return err
+	}
+}
+
+// countEqual counts the entries of d that are in want with the same value.
+func countEqual(d, want map[string]uint64) int {
+	n := 0
+	for k, v := range d {
+		if w, ok := want[k]; ok && w == v {
+			n++
+		}
+	}
+	return n
 }

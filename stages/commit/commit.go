@@ -5,6 +5,7 @@ package commit
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"log/slog"
 	"maps"
@@ -29,6 +30,7 @@ type Kernel interface {
 	Prepare(payload []byte) (write func(ctx context.Context) error)
 	// Digests returns a digest of the rules of each chain of table (every chain
 	// when names is nil; of names, those that exist): equal digests, same rules.
+	// nf.ErrBusy comes with the digests of the chains it could read.
 	Digests(ctx context.Context, table string, names []string) (map[string]uint64, error)
 	// ExpectedDigest is the digest Digests gives a chain holding rules (ok:
 	// known without writing them; for no rules, whether it ever is).
@@ -534,7 +536,7 @@ func (s *Stage) unchanged(ctx context.Context, table string, chains []bus.Chain,
 	// The kernel is read on this goroutine (a test's network namespace is
 	// this thread's) while other goroutines work out what it should hold.
 	expected := s.expectedDigests(ctx, table, chains, inKernel)
-	digests, err := s.kernel.Digests(ctx, table, names)
+	digests, err := s.digests(ctx, table, names)
 	want := expected()
 	if err != nil {
 		s.log.Warn("reading the kernel's chains before a full sync; writing them all", "family", s.family, "table", table, "err", err)
@@ -598,7 +600,7 @@ func (s *Stage) drifted(ctx context.Context, table string, chains []bus.Chain) (
 	for i, c := range chains {
 		names[i] = c.Name
 	}
-	kernel, err := s.kernel.Digests(ctx, table, names)
+	kernel, err := s.digests(ctx, table, names)
 	if err != nil {
 		return nil, err
 	}
@@ -610,6 +612,20 @@ func (s *Stage) drifted(ctx context.Context, table string, chains []bus.Chain) (
 		}
 	}
 	return out, nil
+}
+
+// digests reads the kernel's digests of the chains of table named. A chain it
+// could not read while another writer kept changing the ruleset (nf.ErrBusy)
+// is left out, as one that differs: the caller writes it (or does not record
+// it), which is all it costs; neither the commit fails nor is everything
+// written.
+func (s *Stage) digests(ctx context.Context, table string, names []string) (map[string]uint64, error) {
+	d, err := s.kernel.Digests(ctx, table, names)
+	if errors.Is(err, nf.ErrBusy) {
+		s.log.Info("chains unread while another writer kept changing the ruleset; taken as changed", "family", s.family, "table", table, "err", err)
+		return d, nil
+	}
+	return d, err
 }
 
 // learn reads back the checked chains just written, so that the next periodic sync
@@ -625,7 +641,7 @@ func (s *Stage) learn(ctx context.Context, w writes) {
 		if len(names) == 0 {
 			continue
 		}
-		kernel, err := s.kernel.Digests(ctx, tw.table, names)
+		kernel, err := s.digests(ctx, tw.table, names)
 		if err != nil {
 			s.log.Warn("reading back written chains", "family", s.family, "table", tw.table, "err", err)
 			continue

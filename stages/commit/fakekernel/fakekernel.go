@@ -40,6 +40,10 @@ type Kernel struct {
 	StallAfter func(n int) bool
 	// Observe, if set, is called with each committed state of a table.
 	Observe func(table string, chains map[string][]string)
+	// Busy, if set and true for a chain, makes Digests leave the chain out and
+	// return netfilter.ErrBusy with the others, as netfilter.Tool does with the
+	// chains it could not read while another writer kept changing the ruleset.
+	Busy func(table, chain string) bool
 }
 
 // New makes an empty kernel with nat and filter tables.
@@ -154,11 +158,22 @@ func (k *Kernel) Save(_ context.Context, table string) (map[string][]string, err
 
 func (k *Kernel) Digests(ctx context.Context, table string, names []string) (map[string]uint64, error) {
 	all, _ := k.Save(ctx, table)
+	k.Mu.Lock()
+	busy := k.Busy
+	k.Mu.Unlock()
 	out := map[string]uint64{}
+	unread := 0
 	for c, rules := range all {
-		if names == nil || slices.Contains(names, c) {
+		switch {
+		case names != nil && !slices.Contains(names, c):
+		case busy != nil && busy(table, c):
+			unread++
+		default:
 			out[c] = digestOf(rules)
 		}
+	}
+	if unread > 0 {
+		return out, fmt.Errorf("fake: %d chains of %s unread: %w", unread, table, nf.ErrBusy)
 	}
 	return out, nil
 }
