@@ -306,7 +306,6 @@ func (s *Stage) apply(ctx context.Context, plan *bus.Plan) error {
 			return fmt.Errorf("commit generation %d (restore %d): %w", plan.Generation, i+1, err)
 		}
 	}
-	s.learn(ctx, w)
 	if full || plan.Refresh {
 		if err := s.kernel.EnsureJumps(ctx, nf.Jumps(s.localnetFirewall)); err != nil {
 			return err
@@ -628,27 +627,37 @@ func (s *Stage) digests(ctx context.Context, table string, names []string) (map[
 	return d, err
 }
 
-// learn reads back the checked chains just written, so that the next periodic sync
-// can tell whether someone changed them. A failed read only costs a rewrite then.
-func (s *Stage) learn(ctx context.Context, w writes) {
-	for _, tw := range w.tables {
-		var names []string
-		for _, c := range tw.write {
-			if nf.KindOf(c.Name).Checked() {
-				names = append(names, c.Name)
+// learn records what the checked chains a step just wrote look like in the
+// kernel, so that the next periodic sync can tell whether someone changed them
+// since. Where the digest of a chain's rules is known without reading it
+// (nf_tables), that is what is recorded: a change another agent makes at any
+// time after the step is then seen. Else (legacy) the chains are read back
+// right after their step, and a change made between the step and that read
+// is taken for kpipe's. A failed read only costs a rewrite then.
+func (s *Stage) learn(ctx context.Context, st step) {
+	for _, b := range st.blocks {
+		var read []string
+		for _, c := range b.write {
+			if !nf.KindOf(c.Name).Checked() {
+				continue
+			}
+			if digest, known := s.kernel.ExpectedDigest(ctx, b.table, c.Rules); known {
+				s.ledger.sawKernel(b.table, c.Name, digest)
+			} else {
+				read = append(read, c.Name)
 			}
 		}
-		if len(names) == 0 {
+		if len(read) == 0 {
 			continue
 		}
-		kernel, err := s.digests(ctx, tw.table, names)
+		kernel, err := s.digests(ctx, b.table, read)
 		if err != nil {
-			s.log.Warn("reading back written chains", "family", s.family, "table", tw.table, "err", err)
+			s.log.Warn("reading back written chains", "family", s.family, "table", b.table, "err", err)
 			continue
 		}
-		for _, name := range names {
+		for _, name := range read {
 			if digest, ok := kernel[name]; ok {
-				s.ledger.sawKernel(tw.table, name, digest)
+				s.ledger.sawKernel(b.table, name, digest)
 			}
 		}
 	}
@@ -693,6 +702,7 @@ func (s *Stage) restore(ctx context.Context, st step, write func(context.Context
 	for _, op := range st.ops() {
 		s.ledger.confirm(op)
 	}
+	s.learn(ctx, st)
 	return nil
 }
 
