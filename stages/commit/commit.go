@@ -37,6 +37,9 @@ type Kernel interface {
 	ExpectedDigest(ctx context.Context, table, rules string) (digest uint64, ok bool)
 	// ChainNames lists the chains of table.
 	ChainNames(ctx context.Context, table string) ([]string, error)
+	// ListChain returns the rules of one chain ("-A ..." lines; nf.ErrNoChain
+	// when it does not exist).
+	ListChain(ctx context.Context, table, chain string) ([]string, error)
 	// EnsureJumps puts back any missing jump from a built-in chain; a jump that
 	// is there stays where it is, whatever another agent put in front of it.
 	EnsureJumps(ctx context.Context, js []nf.Jump) error
@@ -448,6 +451,9 @@ func (s *Stage) changes(ctx context.Context, tp bus.TablePayload, full, refresh 
 			return tw, err
 		}
 		tw.write, tw.same = s.unchanged(ctx, tp.Table, tp.Chains, kernel)
+		if tp.Table == nf.TableFilter {
+			tw.kernelRules = s.kernelRules(ctx, tw.write)
+		}
 		tw.fresh = true
 		for _, name := range kernel {
 			kind := nf.KindOf(name)
@@ -497,6 +503,34 @@ func (s *Stage) changes(ctx context.Context, tp bus.TablePayload, full, refresh 
 		tw.write = mergeInOrder(tp.Chains, tw.write, drifted)
 	}
 	return tw, nil
+}
+
+// kernelRules reads, for a full sync, the rules the kernel holds in the filter
+// chains about to be written whose rules the ledger does not know (a new
+// process: a start, a reload, a takeover), so that the first pass keeps them
+// as guards as it keeps the rules the ledger knows (see writes.steps). These
+// are kpipe's (or kube-proxy's) own few top-level filter chains; nothing else
+// is read. A chain that cannot be read is written without its old rules.
+func (s *Stage) kernelRules(ctx context.Context, chains []bus.Chain) map[string]string {
+	out := map[string]string{}
+	for _, c := range chains {
+		if _, known := s.ledger.oldRules(nf.TableFilter, c.Name); known {
+			continue
+		}
+		rules, err := s.kernel.ListChain(ctx, nf.TableFilter, c.Name)
+		if err != nil {
+			if !errors.Is(err, nf.ErrNoChain) {
+				s.log.Warn("reading a filter chain to keep its rules until nat has moved; writing it without them", "family", s.family, "chain", c.Name, "err", err)
+			}
+			continue
+		}
+		var b strings.Builder
+		for _, r := range rules {
+			b.WriteString(r + "\n")
+		}
+		out[c.Name] = b.String()
+	}
+	return out
 }
 
 // planned is the set of the table's chains in the plan.

@@ -45,5 +45,8 @@ func (nullKernel) Digests(context.Context, string, []string) (map[string]uint64,
 }
 func (nullKernel) ExpectedDigest(context.Context, string, string) (uint64, bool) { return 0, false }
 func (nullKernel) ChainNames(context.Context, string) ([]string, error)          { return nil, nil }
-func (nullKernel) EnsureJumps(context.Context, []nf.Jump) error                  { return nil }
-func (nullKernel) WriteSysctl(string, string) error                              { return nil }
+func (nullKernel) ListChain(context.Context, string, string) ([]string, error) {
+	return nil, nf.ErrNoChain
+}
+func (nullKernel) EnsureJumps(context.Context, []nf.Jump) error { return nil }
+func (nullKernel) WriteSysctl(string, string) error             { return nil }

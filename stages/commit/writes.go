@@ -18,6 +18,9 @@ type tableWrites struct {
 	stale  []string    // per-service chains in the kernel that a full plan does not have
 	same   []sameChain // a full plan's chains the kernel already holds as planned
 	fresh  bool        // a full sync found none of kpipe's kinds of chain in the table
+	// kernelRules are the rules the kernel held, before a full sync, in the
+	// filter chains it writes that the ledger does not know: old rules to guard.
+	kernelRules map[string]string
 }
 
 // sameChain is a chain found in the kernel as planned, with its digest there.
@@ -110,7 +113,7 @@ func (w writes) steps(l *Ledger) []step {
 	var guards []bus.Chain
 	filterLast := filter.write
 	if len(nat.write)+len(nat.delete) > 0 {
-		guards, filterLast = guardChains(l, filter.write)
+		guards, filterLast = guardChains(l, filter)
 	}
 	services, top := splitChains(nat.write)
 	first := block{table: nf.TableFilter, write: guards}
@@ -163,10 +166,14 @@ func (s step) nonEmpty() step {
 // guardChains splits the filter chains about to change into what the first pass
 // writes (new rules followed by the old ones they drop, or just the new rules
 // when none are dropped) and what the last pass still has to write (the chains
-// whose first-pass version kept old rules).
-func guardChains(l *Ledger, chains []bus.Chain) (first, last []bus.Chain) {
-	for _, c := range chains {
+// whose first-pass version kept old rules). The old rules are the ledger's, or
+// for a chain it does not know, those a full sync found in the kernel.
+func guardChains(l *Ledger, filter tableWrites) (first, last []bus.Chain) {
+	for _, c := range filter.write {
 		old, ok := l.oldRules(nf.TableFilter, c.Name)
+		if !ok {
+			old, ok = filter.kernelRules[c.Name]
+		}
 		if !ok {
 			last = append(last, c)
 			continue

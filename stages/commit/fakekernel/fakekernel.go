@@ -195,6 +195,18 @@ func digestOf(rules []string) uint64 {
 	return h.Sum64()
 }
 
+// ListChain returns the rules of chain ("-A ..." lines), as netfilter.Tool's
+// does; netfilter.ErrNoChain when it does not exist.
+func (k *Kernel) ListChain(_ context.Context, table, chain string) ([]string, error) {
+	k.Mu.Lock()
+	defer k.Mu.Unlock()
+	rules, ok := k.Tables[table][chain]
+	if !ok {
+		return nil, fmt.Errorf("fake: %s/%s: %w", table, chain, nf.ErrNoChain)
+	}
+	return slices.Clone(rules), nil
+}
+
 func (k *Kernel) ChainNames(ctx context.Context, table string) ([]string, error) {
 	all, _ := k.Save(ctx, table)
 	return slices.Sorted(maps.Keys(all)), nil
