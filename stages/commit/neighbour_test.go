@@ -181,15 +181,11 @@ func TestRestartedFullSyncNeverLeavesAGap(t *testing.T) {
 		steps := 0
 		probing := &probingTool{Tool: tool, probe: func() error {
 			steps++
-			nat, err := tool.Save(ctx, nf.TableNAT)
+			g, err := gapsIn(ctx, tool, gaps)
 			if err != nil {
 				return err
 			}
-			filter, err := tool.Save(ctx, nf.TableFilter)
-			if err != nil {
-				return err
-			}
-			if g := gaps(nat, filter); len(g) > 0 {
+			if len(g) > 0 {
 				return fmt.Errorf("after step %d: %s", steps, strings.Join(g, "; "))
 			}
 			return nil

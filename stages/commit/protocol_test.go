@@ -406,6 +406,19 @@ func gapScenario(before bus.State) (after bus.State, gaps func(nat, filter map[s
 	}
 }
 
+// gapsIn is what gaps (of a gapScenario) finds in the real kernel's tables.
+func gapsIn(ctx context.Context, tool nf.Tool, gaps func(nat, filter map[string][]string) []string) ([]string, error) {
+	nat, err := tool.Save(ctx, nf.TableNAT)
+	if err != nil {
+		return nil, err
+	}
+	filter, err := tool.Save(ctx, nf.TableFilter)
+	if err != nil {
+		return nil, err
+	}
+	return gaps(nat, filter), nil
+}
+
 // reachable is the chains of a table a packet can reach: from the top-level
 // chains (which the built-in chains jump to), through the jumps of their rules.
 func reachable(chains map[string][]string) map[string][]string {
