@@ -31,6 +31,11 @@ import (
 // it hashes what iptables -S (one name) or iptables-save print. The two kinds of
 // digest are not comparable, so a process keeps to one kind per iptables binary:
 // compare digests only with digests from the same process.
+//
+// Over netlink each chain's digest is of one state of that chain (not all
+// chains of one state of the table). When another writer keeps changing the
+// ruleset so that some chains cannot be read, the error is ErrBusy, with the
+// digests of the others.
 func (t Tool) Digests(ctx context.Context, table string, names []string) (map[string]uint64, error) {
 	if names != nil && len(names) == 0 {
 		return map[string]uint64{}, nil
