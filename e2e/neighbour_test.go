@@ -239,7 +239,13 @@ func TestAnotherAgentKeepsItsHookFirst(t *testing.T) {
 	if back > time.Second {
 		t.Errorf("kpipe's jump back %v after it was deleted; want at most 1s", back.Round(time.Millisecond))
 	}
-	tr.endPhase("kpipe's jump deleted by hand and put back")
+	// Requests that began before the jump was back may fail: the test broke
+	// the node's rules itself (a ClusterIP SYN then made a conntrack entry
+	// without DNAT, which its retries follow until the dial times out); any
+	// that began later fails the test. Wait out those dials first, so that
+	// they are counted in this phase.
+	time.Sleep(2*time.Second + 500*time.Millisecond) // the loops dial with a 2 s timeout (tcp2, udp2)
+	tr.endPhaseTolerating("kpipe's jump deleted by hand and put back", deleted.Add(back))
 	tr.finish()
 }
 

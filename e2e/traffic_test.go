@@ -116,11 +116,11 @@ func (tr *traffic) endPhase(name string) {
 	tr.endPhaseTolerating(name, time.Time{})
 }
 
-// endPhaseTolerating is endPhase for a hand-over to upstream kube-proxy whose
-// own start-up leaves a window without rules (see
-// TestSwapKubeProxyNFTablesKpipeBothWays): requests that began before synced
-// (kube-proxy's first sync) are counted and logged, not failed; any that
-// began later fails the test.
+// endPhaseTolerating is endPhase for a phase that leaves a window without
+// rules: a hand-over to upstream kube-proxy, whose own start-up does (see
+// TestSwapKubeProxyNFTablesKpipeBothWays), or a rule the test deleted itself.
+// Requests that began before synced (when the rules were whole again) are
+// counted and logged, not failed; any that began later fails the test.
 func (tr *traffic) endPhaseTolerating(name string, synced time.Time) {
 	tr.t.Helper()
 	p := trafficPhase{name: name}
@@ -142,7 +142,7 @@ func (tr *traffic) endPhaseTolerating(name string, synced time.Time) {
 		tr.last[i] = [2]int{ok, failed}
 		c := fmt.Sprintf("%s %d attempted / %d failed", tr.targets[i].name, p.ok[i]+p.failed[i], p.failed[i])
 		if !synced.IsZero() {
-			c += fmt.Sprintf(" (%d before kube-proxy's first sync)", tolerated)
+			c += fmt.Sprintf(" (%d before the rules were whole)", tolerated)
 		}
 		counts = append(counts, c)
 	}
