@@ -84,6 +84,11 @@ func (tb *Testbed) startControlPlane(ctx context.Context, bins ControlPlaneBinar
 		"--profiling=false",
 		"--v", "1",
 	}
+	audit, err := tb.auditArgs()
+	if err != nil {
+		return err
+	}
+	args = append(args, audit...)
 	tb.apiserverArgv = args
 	apiserver, err := startProcess("kube-apiserver", tb.path("kube-apiserver.log"), nil, args...)
 	if err != nil {

@@ -31,7 +31,7 @@ func TestInformersKeepConvertedValues(t *testing.T) {
 	}
 	watch := func(context.Context, metav1.ListOptions) (k8swatch.Interface, error) { return k8swatch.NewFake(), nil }
 	conv := Converter{NodeName: "node-1"}
-	inf := informer[*corev1.ServiceList](&corev1.Service{}, func(*metav1.ListOptions) {}, func(error) {}, conv.convertForStore, list, watch)
+	inf := informer[*corev1.ServiceList](&corev1.Service{}, func(*metav1.ListOptions) {}, &lostServer{}, conv.convertForStore, list, watch)
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
 	go inf.RunWithContext(ctx)

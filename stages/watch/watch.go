@@ -9,8 +9,8 @@ import (
 	"log/slog"
 	"runtime/debug"
 	"slices"
+	"strconv"
 	"sync"
-	"sync/atomic"
 	"time"
 
 	"github.com/vishvananda/netlink"
@@ -48,9 +48,10 @@ type Stage struct {
 
 	// subscribe starts the netlink address watch; tests replace it.
 	subscribe func(done <-chan struct{}) (<-chan netlink.AddrUpdate, error)
-	// probe asks the apiserver whether it answers, probeBackoff spaces the
-	// probes while it does not (see watchOnce); tests replace them.
-	probe        func(context.Context) error
+	// probe asks the apiserver whether it answers and returns its current
+	// resourceVersion; probeBackoff spaces the probes while it does not (see
+	// lostServer); tests replace them.
+	probe        func(context.Context) (resourceVersion string, err error)
 	probeBackoff supervise.Backoff
 	// beforeSend, when set, sees every change just before it is sent; tests use it
 	// to fail inside a handler or a replay.
@@ -79,9 +80,14 @@ type Params struct {
 func NewStage(p Params) *Stage {
 	return &Stage{client: p.Client, conv: Converter{NodeName: p.NodeName}, out: p.Out, replay: p.Replay, status: p.Env.Status,
 		metrics: p.Env.Metrics, log: p.Env.Log, watchAddrs: p.WatchAddrs, subscribe: nf.SubscribeAddrs,
-		probe: func(context.Context) error {
-			_, err := p.Client.Discovery().ServerVersion()
-			return err
+		probe: func(ctx context.Context) (string, error) {
+			// This node's Node, read as an informer's list does (consistent):
+			// a small answer that carries the apiserver's resourceVersion.
+			l, err := p.Client.CoreV1().Nodes().List(ctx, metav1.ListOptions{FieldSelector: "metadata.name=" + p.NodeName})
+			if err != nil {
+				return "", err
+			}
+			return l.ResourceVersion, nil
 		},
 		// From 1 s to 5 s: soon after the apiserver is back, without thousands of
 		// nodes hammering it while it is away.
@@ -95,7 +101,8 @@ type informerSet struct {
 // Run watches until ctx ends (then it returns nil) or something fails: the address
 // watch closes, or a handler or a replay panics. Then it returns the error, so the
 // supervisor restarts it, and the restart replays. When the apiserver was lost
-// and answers again, Run lists everything anew and replays it itself.
+// and answers again with resourceVersions older than the informers hold (etcd
+// restored from a snapshot), Run lists everything anew and replays it itself.
 func (s *Stage) Run(ctx context.Context) error {
 	// run ends the informers whenever Run returns; ctx may still be live.
 	run, stop := context.WithCancel(ctx)
@@ -129,21 +136,22 @@ func (s *Stage) Run(ctx context.Context) error {
 		if !again {
 			return ended()
 		}
-		s.log.Info("apiserver answers again; listing everything anew")
+		s.log.Warn("apiserver answers again with older resourceVersions than kpipe saw (etcd restored?); listing everything anew")
 	}
 }
 
 // watchOnce runs one set of informers: it waits for their caches, replays, and
 // sends their events until run ends (false) or the apiserver, lost by the
-// informers, answers again (true): client-go's reflectors retry a lost
-// apiserver with a backoff that reaches 30 s (a minute with jitter), so a
-// change made just after an outage would wait that long; new informers list at
-// once. A relist writes nothing to the kernel that is already there.
+// informers, answers again from an earlier point in time (true): their watches
+// would wait, silent, until the restored store passed the resourceVersions
+// they hold. New informers list what it holds now. A relist writes nothing to
+// the kernel that is already there.
 func (s *Stage) watchOnce(run context.Context, addrs <-chan struct{}, fail func(error)) (again bool, err error) {
 	gen, cancel := context.WithCancel(run)
 	back := make(chan struct{}, 1)
-	lost := &lostServer{probe: s.probe, backoff: s.probeBackoff, back: back}
-	inf := s.informers(lost.observe(gen))
+	lost := &lostServer{ctx: gen, probe: s.probe, backoff: s.probeBackoff, wentBack: back}
+	inf := s.informers(lost)
+	lost.held = inf.resourceVersions
 	synced := false // guarded by sendMu: events before the first replay are redundant
 	handler := func(toChange func(obj any, deleted bool) (bus.Change, bool)) cache.ResourceEventHandlerFuncs {
 		send := func(obj any, deleted bool) {
@@ -228,7 +236,7 @@ func (s *Stage) watchOnce(run context.Context, addrs <-chan struct{}, fail func(
 }
 
 // waitForCaches waits until the informers' caches synced (true), ctx ends or
-// the apiserver answers again after it was lost (false).
+// the apiserver answers again from an earlier point in time (false).
 func (s *Stage) waitForCaches(ctx context.Context, back <-chan struct{}, inf informerSet) bool {
 	tick := time.NewTicker(100 * time.Millisecond)
 	defer tick.Stop()
@@ -247,36 +255,37 @@ func (s *Stage) waitForCaches(ctx context.Context, back <-chan struct{}, inf inf
 }
 
 // informers makes the Service, EndpointSlice and Node informers (kube-proxy's
-// selectors), each list and watch reported to observe.
-func (s *Stage) informers(observe func(error)) informerSet {
+// selectors), each list and watch made through lost.
+func (s *Stage) informers(lost *lostServer) informerSet {
 	services, slices, nodes := s.client.CoreV1().Services(""), s.client.DiscoveryV1().EndpointSlices(""), s.client.CoreV1().Nodes()
 	proxied := func(o *metav1.ListOptions) { o.LabelSelector = selector }
 	thisNode := func(o *metav1.ListOptions) { o.FieldSelector = "metadata.name=" + s.conv.NodeName }
 	return informerSet{
-		services: informer(&corev1.Service{}, proxied, observe, s.conv.convertForStore, services.List, services.Watch),
-		slices:   informer(&discoveryv1.EndpointSlice{}, proxied, observe, s.conv.convertForStore, slices.List, slices.Watch),
-		nodes:    informer(&corev1.Node{}, thisNode, observe, s.conv.convertForStore, nodes.List, nodes.Watch),
+		services: informer(&corev1.Service{}, proxied, lost, s.conv.convertForStore, services.List, services.Watch),
+		slices:   informer(&discoveryv1.EndpointSlice{}, proxied, lost, s.conv.convertForStore, slices.List, slices.Watch),
+		nodes:    informer(&corev1.Node{}, thisNode, lost, s.conv.convertForStore, nodes.List, nodes.Watch),
 	}
 }
 
+// resourceVersions are the informers' last resourceVersions.
+func (inf informerSet) resourceVersions() []string {
+	return []string{inf.services.LastSyncResourceVersion(), inf.slices.LastSyncResourceVersion(), inf.nodes.LastSyncResourceVersion()}
+}
+
 // informer makes an informer over list and watch (with tweak applied to their
-// options) that reports the outcome of each call to observe and keeps what
-// transform makes of each object.
-func informer[L runtime.Object](obj runtime.Object, tweak func(*metav1.ListOptions), observe func(error), transform cache.TransformFunc,
+// options, each call made through lost) that keeps what transform makes of
+// each object.
+func informer[L runtime.Object](obj runtime.Object, tweak func(*metav1.ListOptions), lost *lostServer, transform cache.TransformFunc,
 	list func(context.Context, metav1.ListOptions) (L, error),
 	watch func(context.Context, metav1.ListOptions) (k8swatch.Interface, error)) cache.SharedIndexInformer {
 	lw := &cache.ListWatch{
 		ListWithContextFunc: func(ctx context.Context, o metav1.ListOptions) (runtime.Object, error) {
 			tweak(&o)
-			out, err := list(ctx, o)
-			observe(err)
-			return out, err
+			return untilAnswered(ctx, lost, func() (runtime.Object, error) { return list(ctx, o) })
 		},
 		WatchFuncWithContext: func(ctx context.Context, o metav1.ListOptions) (k8swatch.Interface, error) {
 			tweak(&o)
-			w, err := watch(ctx, o)
-			observe(err)
-			return w, err
+			return untilAnswered(ctx, lost, func() (k8swatch.Interface, error) { return watch(ctx, o) })
 		},
 	}
 	inf := cache.NewSharedIndexInformer(lw, obj, 0, cache.Indexers{})
@@ -285,36 +294,115 @@ func informer[L runtime.Object](obj runtime.Object, tweak func(*metav1.ListOptio
 }
 
 // lostServer notices when the informers cannot reach the apiserver and then
-// probes it, with a backoff, until it answers; then it signals back (once).
+// holds their list and watch calls while it probes the apiserver, with a
+// backoff, until it answers. Without it, client-go's reflectors would retry on
+// their own backoff, which reaches 30 s (a minute with jitter), so a change
+// made just after an outage could wait that long; and a call that failed
+// otherwise than refused would make them list everything again. Held, they
+// resume as soon as the apiserver answers, from the resourceVersions they
+// hold, as kube-proxy's informers do: an apiserver restart costs no list of
+// Services or EndpointSlices (whatever the apiserver cannot resume it answers
+// with 410 Gone, and the reflector lists again, as client-go does). Only an
+// apiserver whose resourceVersion went back (etcd restored from a snapshot)
+// is not resumed from: then it signals wentBack (once), for new informers.
 type lostServer struct {
-	probe   func(context.Context) error
-	backoff supervise.Backoff
-	back    chan<- struct{}
-	probing atomic.Bool
+	ctx      context.Context // the informers': probes end with them
+	probe    func(context.Context) (string, error)
+	backoff  supervise.Backoff
+	held     func() []string // the informers' resourceVersions
+	wentBack chan<- struct{}
+
+	mu sync.Mutex
+	// answered is closed when the apiserver answers again; nil while it is
+	// not known to be lost.
+	answered chan struct{}
 }
 
-// observe returns what the informers report each list and watch call to: an
-// error that is not the apiserver's answer (refused, reset, timed out) means
-// it is lost, and starts the probes (ending with ctx).
-func (l *lostServer) observe(ctx context.Context) func(error) {
-	return func(err error) {
-		if err == nil || ctx.Err() != nil || !unreachable(err) || !l.probing.CompareAndSwap(false, true) {
+// untilAnswered makes call, and again each time it fails without an answer
+// from the apiserver, once the apiserver answers again: its caller (the
+// reflector) sees only the apiserver's answers, or ctx's end.
+func untilAnswered[T any](ctx context.Context, l *lostServer, call func() (T, error)) (T, error) {
+	for {
+		if err := l.wait(ctx); err != nil {
+			var none T
+			return none, err
+		}
+		out, err := call()
+		if err == nil || !unreachable(err) || ctx.Err() != nil {
+			return out, err
+		}
+		l.lost()
+	}
+}
+
+// wait waits while the apiserver is lost, until it answers or ctx ends.
+func (l *lostServer) wait(ctx context.Context) error {
+	l.mu.Lock()
+	answered := l.answered
+	l.mu.Unlock()
+	if answered == nil {
+		return nil
+	}
+	select {
+	case <-answered:
+		return nil
+	case <-ctx.Done():
+		return ctx.Err()
+	}
+}
+
+// lost starts the probes, unless they run.
+func (l *lostServer) lost() {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if l.answered != nil {
+		return
+	}
+	l.answered = make(chan struct{})
+	go l.probeUntilAnswered(l.answered)
+}
+
+// probeUntilAnswered probes until the apiserver answers. Then it releases the
+// held calls or, when the apiserver's resourceVersion is older than one the
+// informers hold, signals wentBack and holds them until l.ctx ends.
+func (l *lostServer) probeUntilAnswered(answered chan struct{}) {
+	for n := 1; ; n++ {
+		select {
+		case <-l.ctx.Done():
+			return
+		case <-time.After(l.backoff.Delay(n, nil)):
+		}
+		rv, err := l.probe(l.ctx)
+		if err != nil {
+			continue
+		}
+		if olderThanAny(rv, l.held()) {
+			l.wentBack <- struct{}{} // buffered: the only send
 			return
 		}
-		go func() {
-			for n := 1; ; n++ {
-				select {
-				case <-ctx.Done():
-					return
-				case <-time.After(l.backoff.Delay(n, nil)):
-				}
-				if l.probe(ctx) == nil {
-					l.back <- struct{}{} // buffered: the only send
-					return
-				}
-			}
-		}()
+		l.mu.Lock()
+		l.answered = nil
+		l.mu.Unlock()
+		close(answered)
+		return
 	}
+}
+
+// olderThanAny says whether resourceVersion rv is older than one of held.
+// resourceVersions are opaque to clients, but kube-apiserver's are etcd's
+// revisions, which go back only when etcd is restored from a snapshot; ones
+// that are not numbers are not compared.
+func olderThanAny(rv string, held []string) bool {
+	now, err := strconv.ParseUint(rv, 10, 64)
+	if err != nil {
+		return false
+	}
+	for _, h := range held {
+		if v, err := strconv.ParseUint(h, 10, 64); err == nil && v > now {
+			return true
+		}
+	}
+	return false
 }
 
 // unreachable says whether a list or watch failed without an answer from the
