@@ -6,14 +6,17 @@ import (
 )
 
 // Repair asks commit to put back what another writer changed in kpipe's rules
-// (canary → commit, merging mailbox per family): rewrite the chains named, put
-// kpipe's jumps back in front in the tables named, or, when Lost, rewrite
-// everything as a full sync. Commit rewrites only chains its ledger says it
-// wrote, and moves only its own jumps: another agent's rules are never touched.
+// (canary → commit, merging mailbox per family): rewrite the chains named that
+// the kernel does not hold as kpipe wrote them, put kpipe's missing jumps back
+// in the tables named, or, when Lost, rewrite everything as a full sync. Commit
+// rewrites only chains its ledger says it wrote, and inserts only its own
+// missing jumps: another agent's rules are never touched.
 type Repair struct {
-	// Chains are kpipe's chains another writer changed, by table.
+	// Chains are kpipe's chains that changed, by table: notifications do not
+	// say who changed them, so kpipe's own writes are named too.
 	Chains map[string]map[string]bool
-	// Jumps are the tables whose built-in chains another writer changed.
+	// Jumps are the tables whose built-in chains lost a rule: a jump of
+	// kpipe's may be missing.
 	Jumps map[string]bool
 	// Lost: a table was deleted, or changes went unseen.
 	Lost bool

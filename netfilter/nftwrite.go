@@ -216,13 +216,6 @@ func (t Tool) writeBatches(ctx context.Context, sections []nftSection) error {
 		return err
 	}
 	defer done()
-	port, err := portID(w.raw)
-	if err != nil {
-		return err
-	}
-	// The tamper watcher must take this socket's changes for kpipe's own.
-	ownTools.started(int(port))
-	defer ownTools.exited(int(port))
 	if err := w.conn.SetOption(netlink.CapAcknowledge, true); err != nil {
 		return err
 	}
@@ -238,27 +231,6 @@ func (t Tool) writeBatches(ctx context.Context, sections []nftSection) error {
 		}
 	}
 	return nil
-}
-
-// portID is the netlink port the kernel gave the socket: nf_tables
-// notifications of its changes carry it.
-func portID(raw syscall.RawConn) (uint32, error) {
-	var port uint32
-	var serr error
-	err := raw.Control(func(fd uintptr) {
-		sa, err := syscall.Getsockname(int(fd))
-		if err != nil {
-			serr = err
-			return
-		}
-		if nl, ok := sa.(*syscall.SockaddrNetlink); ok {
-			port = nl.Pid
-		}
-	})
-	if err == nil {
-		err = serr
-	}
-	return port, err
 }
 
 // batch sends one section between BATCH_BEGIN and BATCH_END and waits for the

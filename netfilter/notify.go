@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"sync"
 	"syscall"
 	"time"
 
@@ -27,8 +26,8 @@ func (k ChangeKind) String() string {
 	return [...]string{"?", "rule added", "rule deleted", "chain added", "chain deleted", "table added", "table deleted"}[min(int(k), 6)]
 }
 
-// Change is one change another process made to a table of the watched family
-// (Chain is empty for a table).
+// Change is one change made to a table of the watched family (Chain is empty
+// for a table), by anyone, kpipe included.
 type Change struct {
 	Kind         ChangeKind
 	Table, Chain string
@@ -42,8 +41,13 @@ var ErrLost = errors.New("nf_tables notifications lost")
 // tables send no nf_tables notifications.
 var ErrNotNFTables = errors.New("iptables is not the nf_tables backend")
 
-// Subscription receives the nf_tables changes made by processes other than kpipe's
-// own iptables tools to one family's tables.
+// Subscription receives the nf_tables changes made to one family's tables by
+// anyone, kpipe included. Who wrote a change is not told: the kernel stamps each
+// notification with the writer's netlink port id, which is a pid for a process's
+// first socket, but pids (and ports, which any socket may bind) are reused by
+// other containers in the host network namespace, each numbering its own pids,
+// and a foreign change taken for kpipe's own would go unrepaired. Commit tells
+// the two apart by comparing the chains named with what it wrote.
 type Subscription struct {
 	r      *nftReader
 	family uint8
@@ -57,8 +61,8 @@ const nfnlGroupNFTables = 7
 // and reported as ErrLost.
 const notifyBuffer = 32 << 20
 
-// Subscribe starts receiving the changes others make to t's family's tables. It
-// fails with ErrNotNFTables on the legacy backend.
+// Subscribe starts receiving the changes made to t's family's tables. It fails
+// with ErrNotNFTables on the legacy backend.
 func (t Tool) Subscribe(ctx context.Context) (*Subscription, error) {
 	nft, err := t.onNFTables(ctx)
 	if err != nil {
@@ -103,9 +107,9 @@ func setReadBuffer(conn *netlink.Conn, raw syscall.RawConn, size int) error {
 // Close stops the subscription.
 func (s *Subscription) Close() error { return s.r.conn.Close() }
 
-// Next waits until ctx ends or others changed the family's tables, and returns
-// those changes (kpipe's own, made by the tools it ran, are left out). ErrLost
-// says that some changes were lost; the subscription goes on.
+// Next waits until ctx ends or the family's tables changed, and returns those
+// changes (kpipe's own among them). ErrLost says that some changes were lost;
+// the subscription goes on.
 func (s *Subscription) Next(ctx context.Context) ([]Change, error) {
 	stop := context.AfterFunc(ctx, func() { s.r.conn.SetReadDeadline(time.Unix(1, 0)) })
 	defer stop()
@@ -125,7 +129,7 @@ func (s *Subscription) Next(ctx context.Context) ([]Change, error) {
 		}
 		var out []Change
 		for _, m := range msgs {
-			if c, ok := s.decode(m); ok && !ownTools.ran(m.Header.Pid) {
+			if c, ok := s.decode(m); ok {
 				out = append(out, c)
 			}
 		}
@@ -169,46 +173,4 @@ func (s *Subscription) decode(m syscall.NetlinkMessage) (Change, bool) {
 		return nil
 	})
 	return c, err == nil && c.Table != ""
-}
-
-// toolPids remembers the processes kpipe started (its iptables tools): the
-// notifications of their writes carry their netlink port id, which the kernel
-// gives a process's first netlink socket from its process id (as the process's
-// own pid namespace numbers it, which is kpipe's). A pid counts while its tool
-// runs and for toolGrace after it exited (its notifications may be read later),
-// and no longer: pids are reused (pid_max is often 32768), and a foreign write
-// taken for kpipe's own would go unrepaired.
-type toolPids struct {
-	mu   sync.Mutex
-	pids map[uint32]time.Time // pid → when it exited (zero: running)
-}
-
-// toolGrace is how long after a tool exited its notifications are still its own.
-const toolGrace = 30 * time.Second
-
-var ownTools = toolPids{pids: map[uint32]time.Time{}}
-
-func (p *toolPids) started(pid int) {
-	now := time.Now()
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	for old, exited := range p.pids {
-		if !exited.IsZero() && now.Sub(exited) > toolGrace {
-			delete(p.pids, old)
-		}
-	}
-	p.pids[uint32(pid)] = time.Time{}
-}
-
-func (p *toolPids) exited(pid int) {
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	p.pids[uint32(pid)] = time.Now()
-}
-
-func (p *toolPids) ran(portID uint32) bool {
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	exited, ok := p.pids[portID]
-	return ok && (exited.IsZero() || time.Since(exited) <= toolGrace)
 }

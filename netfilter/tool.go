@@ -86,12 +86,7 @@ func (t Tool) runTool(ctx context.Context, binary string, stdin []byte, args ...
 	}
 	var stdout, stderr bytes.Buffer
 	cmd.Stdout, cmd.Stderr = &stdout, &stderr
-	err := cmd.Start()
-	if err == nil {
-		ownTools.started(cmd.Process.Pid) // before it can write: its changes are kpipe's
-		err = cmd.Wait()
-		ownTools.exited(cmd.Process.Pid)
-	}
+	err := cmd.Run()
 	out := stdout.Bytes()
 	if err == nil {
 		return out, nil

@@ -1,8 +1,10 @@
 // Package canary notices when something else changed kpipe's rules. On the
-// nf_tables backend it receives every change another process makes to the tables
-// (nf_tables notifications) and asks commit to repair what was kpipe's: the
-// chains changed, the jumps from built-in chains, everything when a table was
-// deleted. On the legacy backend, which sends no notifications, it keeps a
+// nf_tables backend it receives every change made to the tables (nf_tables
+// notifications, kpipe's own writes among them: the kernel does not say who
+// wrote in a way that survives pid reuse) and asks commit to repair what was
+// kpipe's: the chains changed (commit rewrites those it finds unlike what it
+// wrote), the jumps from built-in chains, everything when a table was deleted.
+// On the legacy backend, which sends no notifications, it keeps a
 // KUBE-PROXY-CANARY chain holding one rule in nat and filter (an empty one in
 // mangle), checks it every interval, and asks for a full resync when a chain or
 // its rule disappears (iptables -X or -F). The canaries are kept on both, as
@@ -163,7 +165,7 @@ func (s *Stage) Run(ctx context.Context) error {
 				t = &tamper{since: now}
 				pending[c.family] = t
 			}
-			t.changes = append(t.changes, c.changes...)
+			t.add(c.changes)
 			t.overflowed = t.overflowed || c.err != nil
 			debounce.Reset(min(quiet, first.Add(patience).Sub(now)))
 		case <-debounce.C:
@@ -245,7 +247,9 @@ func (s *Stage) repair(ctx context.Context, f bus.Family, t tamper) error {
 	}
 	rep, canaries := repairFor(t)
 	if !rep.Empty() {
-		s.log.Info("another writer changed kpipe's rules; repairing", "family", f, "changes", len(t.changes), "lost", rep.Lost)
+		// Debug: kpipe's own writes are among the changes, and commit says
+		// what it found to repair.
+		s.log.Debug("kpipe's rules changed; asking commit to check them", "family", f, "changes", len(t.changes), "lost", rep.Lost)
 		s.repairs[f].Put(rep)
 	}
 	if canaries {

@@ -44,12 +44,26 @@ const (
 
 // tamper collects one family's changes until they are handed to commit.
 type tamper struct {
-	changes []nf.Change
+	changes []nf.Change // each once: a write of kpipe's sends one per rule
+	seen    map[nf.Change]bool
 	// overflowed: notifications were lost (kpipe's own full syncs can send more
 	// than the socket holds); lost: a canary is gone as well, so everything is
 	// rewritten.
 	overflowed, lost bool
 	since            time.Time
+}
+
+// add collects changes not collected yet.
+func (t *tamper) add(cs []nf.Change) {
+	if t.seen == nil {
+		t.seen = map[nf.Change]bool{}
+	}
+	for _, c := range cs {
+		if !t.seen[c] {
+			t.seen[c] = true
+			t.changes = append(t.changes, c)
+		}
+	}
 }
 
 // jumpChains are the built-in chains kpipe puts jumps in, by table.
@@ -67,7 +81,8 @@ var jumpChains = func() map[string]map[string]bool {
 // ruleTables are the tables holding kpipe's chains (mangle holds only a canary).
 var ruleTables = map[string]bool{nf.TableNAT: true, nf.TableFilter: true}
 
-// repairFor says what of kpipe's another writer changed: the chains to rewrite,
+// repairFor says what of kpipe's was changed: the chains to check (kpipe's own
+// writes are among them; commit rewrites those unlike what it wrote),
 // the tables whose built-in chains may have lost a jump of kpipe's, whether
 // everything must be rewritten (a table deleted or flushed, as a canary gone
 // tells), and whether a canary must be put back (canaries). Lost notifications

@@ -203,3 +203,17 @@ func TestLegacyPolls(t *testing.T) {
 		t.Error("the legacy backend asked commit for a repair")
 	}
 }
+
+// A write sends one notification a rule (kpipe's own full sync: hundreds of
+// thousands); each change is collected once.
+func TestTamperCollectsEachChangeOnce(t *testing.T) {
+	var tm tamper
+	rule := nf.Change{Kind: nf.RuleAdded, Table: nf.TableNAT, Chain: svc}
+	for range 1000 {
+		tm.add([]nf.Change{rule, rule})
+	}
+	tm.add([]nf.Change{{Kind: nf.RuleDeleted, Table: nf.TableNAT, Chain: svc}})
+	if len(tm.changes) != 2 {
+		t.Errorf("collected %d changes; want 2 (one per kind, table and chain)", len(tm.changes))
+	}
+}

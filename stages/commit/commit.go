@@ -62,8 +62,9 @@ type Params struct {
 	// commit; either may be nil.
 	Flows        *bus.Mailbox[bus.StaleFlows]
 	HealthChecks *bus.Mailbox[bus.HealthCheckUpdates]
-	// Repairs (from canary; may be nil) name what another writer changed in
-	// kpipe's rules: commit rewrites it at once from the last plan it applied.
+	// Repairs (from canary; may be nil) name kpipe's chains that changed,
+	// kpipe's own writes among them: commit rewrites at once, from the last
+	// plan it applied, those the kernel does not hold as it wrote them.
 	Repairs *bus.Mailbox[bus.Repair]
 	// Ledger outlives the stage: a restarted stage gets the same one.
 	Ledger *Ledger
@@ -162,7 +163,7 @@ func (s *Stage) next(ctx context.Context) (plan *bus.Plan, again bool, err error
 		}
 		if s.p.Repairs != nil {
 			if r, ok := s.p.Repairs.TryTake(); ok {
-				s.takeRepair(r)
+				s.takeRepair(ctx, r)
 			}
 		}
 		if plan, ok := s.p.In.TryTake(); ok {
@@ -180,10 +181,17 @@ func (s *Stage) next(ctx context.Context) (plan *bus.Plan, again bool, err error
 	}
 }
 
-// takeRepair records a repair request: its chains (those the ledger knows) are in
-// doubt from now on, so the next apply rewrites them; a lost table makes the next
-// apply a full sync.
-func (s *Stage) takeRepair(r bus.Repair) {
+// takeRepair records a repair request: its chains that the kernel does not hold
+// as kpipe wrote them (unlikeWritten: kpipe's own writes are named too) are in
+// doubt from now on, so the next apply rewrites them; a lost table makes the
+// next apply a full sync.
+func (s *Stage) takeRepair(ctx context.Context, r bus.Repair) {
+	if !r.Lost {
+		r.Chains = s.unlikeWritten(ctx, r.Chains)
+	}
+	if r.Empty() {
+		return
+	}
 	if s.repair != nil {
 		r = bus.MergeRepairs(*s.repair, r)
 	}

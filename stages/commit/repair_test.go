@@ -203,3 +203,56 @@ func TestStopDuringARepair(t *testing.T) {
 		t.Error("the repair cut short by the stop was dropped; the restarted stage must do it")
 	}
 }
+
+// kpipe's own writes come back as notifications like anyone's (port ids and pids
+// cannot tell them apart: other containers in the host network namespace reuse
+// them), so a repair may name every chain kpipe just wrote. Commit compares
+// those chains in the kernel with what it wrote: it writes nothing for them,
+// however often they are named; of the chains named, it rewrites only the one
+// another writer changed, and once it is back, nothing again.
+func TestRepairWritesOnlyChainsNotAsKpipeWroteThem(t *testing.T) {
+	k := fakekernel.New()
+	st := render.SyntheticState(20, 2)
+	_, repairs := runWithRepairs(t, k, st)
+	k.Mu.Lock()
+	named := map[string]map[string]bool{}
+	for table, chains := range k.Tables {
+		named[table] = map[string]bool{}
+		for c := range chains {
+			if nf.KindOf(c) != nf.KindOther {
+				named[table][c] = true
+			}
+		}
+	}
+	svc := serviceChain(k)
+	k.Mu.Unlock()
+	// Each round also asks for the jumps, whose check shows the repair was taken.
+	repairWrote := func() []string {
+		t.Helper()
+		k.Mu.Lock()
+		k.Payloads, k.Events = nil, nil
+		k.Mu.Unlock()
+		repairs.Put(bus.Repair{Chains: named, Jumps: map[string]bool{nf.TableNAT: true}, Since: time.Now()})
+		waitFor(t, k, "the repair's jump check", func() bool { return slices.Contains(k.Events, "jumps nat") })
+		k.Mu.Lock()
+		defer k.Mu.Unlock()
+		return regexpDeclared(strings.Join(k.Payloads, ""))
+	}
+	for round := range 3 {
+		if got := repairWrote(); len(got) > 0 {
+			t.Fatalf("round %d: a repair naming the chains as kpipe wrote them rewrote %d of them (%v ...)", round, len(got), got[:min(3, len(got))])
+		}
+	}
+	k.Mu.Lock()
+	k.Tables[nf.TableNAT][svc] = append(k.Tables[nf.TableNAT][svc], "-A "+svc+" -j ACCEPT") // another writer
+	k.Mu.Unlock()
+	if got := repairWrote(); !slices.Equal(got, []string{svc}) {
+		t.Errorf("after another writer appended a rule to %s, the repair rewrote %v; want only it", svc, got)
+	}
+	requireFresh(t, k, st, "after the repair")
+	for round := range 3 {
+		if got := repairWrote(); len(got) > 0 {
+			t.Errorf("round %d after the repair: rewrote %v again", round, got)
+		}
+	}
+}
