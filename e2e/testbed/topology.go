@@ -70,9 +70,17 @@ func (tb *Testbed) addNamespace(name string) error {
 	tb.mu.Lock()
 	tb.namespaces = append(tb.namespaces, name)
 	tb.mu.Unlock()
+	// tcp_timestamps=2: TCP timestamps without Linux's random offset per
+	// destination address. A client's destination is a ClusterIP before DNAT,
+	// and its loops reuse source ports across ClusterIPs that DNAT to the
+	// same pod, which holds the 4-tuple in TIME_WAIT (the echo server closes
+	// first): with a per-ClusterIP offset half the reused SYNs look older than
+	// the last segment there, are refused (PAWS) and retried, and two in a row
+	// overrun a test's 2 s. One clock per namespace keeps them newer.
 	if _, err := tb.Exec(name, "sysctl", "-q", "-w",
 		"net.ipv6.conf.all.accept_dad=0",
 		"net.ipv6.conf.default.accept_dad=0",
+		"net.ipv4.tcp_timestamps=2",
 	); err != nil {
 		return err
 	}
