@@ -37,9 +37,11 @@ func probeBeforeTheRules(t *testing.T, e *env) {
 	ip := unallocatedClusterIP(t, e)
 	addr := testbed.HostPort(ip, 80)
 	const port = 41234
-	if _, err := tb.DialTCPFromPort(client, port, addr, time.Second); !errors.Is(err, testbed.ErrTimeout) {
+	_, err := tb.DialTCPFromPort(client, port, addr, time.Second)
+	if !errors.Is(err, testbed.ErrTimeout) {
 		t.Fatalf("%s before its service exists: want a timeout, got %v", addr, err)
 	}
+	t.Logf("before its service exists: %v", err)
 	svc := testbed.Service(e.ns, "late", testbed.Port("http", corev1.ProtocolTCP, 80, testbed.EchoPort))
 	svc.Spec.ClusterIP = ip
 	e.endpoints(e.create(svc), 1, 2)

@@ -116,7 +116,9 @@ func (tb *Testbed) dialTCP(ns, src string, port int, addr string, timeout time.D
 	if err != nil {
 		err = classify(what, err)
 		if errors.Is(err, ErrTimeout) {
-			tb.forgetUnanswered(addr)
+			if gone := tb.forgetUnanswered(addr); gone != "" {
+				err = fmt.Errorf("%w; untranslated conntrack entries to it deleted: %s", err, gone)
+			}
 		}
 		return Answer{}, err
 	}
@@ -141,19 +143,27 @@ func (tb *Testbed) dialTCP(ns, src string, port int, addr string, timeout time.D
 // nothing of it, gives a later connection to addr the same source port as
 // readily as any: that connection then rides the entry, is never DNATed and
 // goes unanswered, as under kube-proxy. A test's probe before convergence
-// must not fail its later connections. Best effort: left as it was on error.
-func (tb *Testbed) forgetUnanswered(addr string) {
+// must not fail its later connections. It returns the entries deleted (their
+// source ports tell which connections rode them). Best effort.
+func (tb *Testbed) forgetUnanswered(addr string) string {
 	host, port, err := net.SplitHostPort(addr)
 	if err != nil {
-		return
+		return ""
 	}
 	family := "ipv4"
 	if strings.Contains(host, ":") {
 		family = "ipv6"
 	}
 	// Exits 1 when there was nothing to delete.
-	_, _ = tb.Exec(tb.NodeNS, "conntrack", "-D", "-f", family, "-p", "tcp", "--state", "SYN_SENT",
+	out, _ := tb.Exec(tb.NodeNS, "conntrack", "-D", "-f", family, "-p", "tcp", "--state", "SYN_SENT",
 		"--orig-dst", host, "--orig-port-dst", port, "--reply-src", host)
+	var gone []string
+	for _, l := range strings.Split(out, "\n") {
+		if strings.Contains(l, "SYN_SENT") {
+			gone = append(gone, strings.Join(strings.Fields(l), " "))
+		}
+	}
+	return strings.Join(gone, "; ")
 }
 
 // DialUDP sends one datagram from namespace ns to addr and waits for the echo
