@@ -62,6 +62,7 @@ func newTouched(t *testing.T) *prometheus.Registry {
 	rec := recorder{reg: prometheus.NewRegistry()}
 	New(&rec)
 	rec.reg.MustRegister(NFAcct{Reader: fakeNFAcct{"a": 1, "b": 2}, InvalidDropped: "a", LocalhostNodePorts: "b", Log: slog.New(slog.DiscardHandler)})
+	rec.reg.MustRegister(BuildInfo(prometheus.Labels{"git_version": "v1.2.3"}))
 	for _, c := range rec.cs {
 		switch v := c.(type) {
 		case *prometheus.HistogramVec:
@@ -150,6 +151,28 @@ func TestOwnMetricsKeepPrefix(t *testing.T) {
 		if !known[f.GetName()] && !hasPrefix(f.GetName(), "kpipe_") {
 			t.Errorf("%s: neither kube-proxy's nor prefixed kpipe_", f.GetName())
 		}
+	}
+}
+
+// TestBuildInfo: kpipe_build_info is a gauge at 1 with the labels given
+// (kube-proxy's kubernetes_build_info is 1 with Kubernetes' build as labels).
+func TestBuildInfo(t *testing.T) {
+	reg := prometheus.NewRegistry()
+	reg.MustRegister(BuildInfo(prometheus.Labels{"git_version": "v1.2.3", "git_commit": "abc"}))
+	families, err := reg.Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(families) != 1 || families[0].GetName() != "kpipe_build_info" || families[0].GetType() != dto.MetricType_GAUGE {
+		t.Fatalf("gathered %v, want the gauge kpipe_build_info alone", families)
+	}
+	m := families[0].GetMetric()[0]
+	got := map[string]string{}
+	for _, l := range m.GetLabel() {
+		got[l.GetName()] = l.GetValue()
+	}
+	if len(got) != 2 || got["git_version"] != "v1.2.3" || got["git_commit"] != "abc" || m.GetGauge().GetValue() != 1 {
+		t.Errorf("kpipe_build_info%v %v, want {git_version=v1.2.3, git_commit=abc} 1", got, m.GetGauge().GetValue())
 	}
 }
 

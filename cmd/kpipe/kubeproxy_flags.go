@@ -35,6 +35,8 @@ func (o *Options) addKubeProxyFlags(fs *pflag.FlagSet) {
 	fs.StringVar(&o.LogFormat, "logging-format", o.LogFormat, "kube-proxy's name for --log-format.")
 	fs.BoolVar(&o.Cleanup, "cleanup", o.Cleanup, "Remove every rule and chain kube-proxy's iptables mode (or kpipe) made, and kube-proxy's nftables tables, then exit (1 if anything could not be removed).")
 	fs.BoolVar(&o.InitOnly, "init-only", o.InitOnly, "Set the node up (conntrack sysctls, OOM score) and exit.")
+	fs.Var(&o.version, "version", "--version prints kpipe's version and exits, --version=raw every field of its build.")
+	fs.Lookup("version").NoOptDefVal = string(versionLine)
 	c := &o.Conntrack
 	fs.Int32Var(&c.MaxPerCore, "conntrack-max-per-core", c.MaxPerCore, "Conntrack entries per CPU core (nf_conntrack_max is this times the cores, at least --conntrack-min); 0 leaves nf_conntrack_max as it is.")
 	fs.Int32Var(&c.Min, "conntrack-min", c.Min, "The least nf_conntrack_max to set, whatever the cores.")

@@ -46,7 +46,6 @@ func runWith(args []string, serve func(context.Context, *Options) error) int {
 	opts.args = args
 	cmd := &cobra.Command{
 		Use:           "kpipe",
-		Version:       version(),
 		Short:         "Kubernetes node service proxy (kube-proxy iptables mode, as a supervised pipeline)",
 		SilenceUsage:  true,
 		SilenceErrors: true,
@@ -57,6 +56,10 @@ func runWith(args []string, serve func(context.Context, *Options) error) int {
 			return nil
 		},
 		RunE: func(cmd *cobra.Command, _ []string) error {
+			if text := opts.version.text(); text != "" {
+				_, err := fmt.Fprintln(cmd.OutOrStdout(), text)
+				return err
+			}
 			if err := opts.finish(cmd.Flags()); err != nil {
 				return err
 			}
@@ -79,12 +82,4 @@ func runWith(args []string, serve func(context.Context, *Options) error) int {
 		return 1
 	}
 	return 0
-}
-
-// version is the module version kpipe was built from ("(devel)" in a work tree).
-func version() string {
-	if bi, ok := debug.ReadBuildInfo(); ok && bi.Main.Version != "" {
-		return bi.Main.Version
-	}
-	return "(devel)"
 }

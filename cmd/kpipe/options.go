@@ -55,6 +55,7 @@ type Options struct {
 	// exit, or set the node up and exit.
 	Cleanup         bool
 	InitOnly        bool
+	version         versionFlag // kube-proxy's --version: print and exit
 	ConfigFile      string
 	file            *kubeproxy.KubeProxyConfiguration // the --config file's, defaulted
 	WriteConfigTo   string
@@ -87,6 +88,7 @@ func defaultOptions() *Options {
 		Conntrack: ConntrackOptions{MaxPerCore: 32768, Min: 131072,
 			TCPEstablishedTimeout: 24 * time.Hour, TCPCloseWaitTimeout: time.Hour},
 		OOMScoreAdj: -999,
+		version:     versionOff,
 	}
 }
 

@@ -63,6 +63,7 @@ func realDeps(o *Options, log *slog.Logger) (deps, error) {
 	}
 	d.registry.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	registerFamilies(d.registry, families)
+	d.registry.MustRegister(buildInfoMetric())
 	d.metrics = metrics.New(d.registry)
 	d.registry.MustRegister(prometheus.NewCounterFunc(prometheus.CounterOpts{
 		Name: "kpipe_netlink_writer_fallbacks_total",
