@@ -1,30 +1,65 @@
-# kpipe's image: a drop-in for kube-proxy's (see deploy/).
+# kpipe's image: a drop-in for kube-proxy's (see deploy/). kubeadm's DaemonSet
+# runs /usr/local/bin/kube-proxy with kube-proxy's flags, bypassing any
+# ENTRYPOINT: that path is kpipe, and iptables, iptables-save,
+# iptables-restore and their ip6tables twins are the iptables-wrapper, which
+# picks the host's backend (legacy or nft) the first time anything runs one of
+# them, as kube-proxy's image does. kpipe's first call is `iptables -V`.
 #
-# How this was checked: docker was not available where this file was written.
-# The build stage's command was run as is from the repository root with Go
-# 1.26 (CGO_ENABLED=0 GOWORK=off go build -trimpath -o /out/kpipe ./cmd/kpipe,
-# with /out a temporary directory) and built a static binary;
-# deploy/iptables-wrapper.sh was run in throwaway network namespaces holding
-# legacy rules, nft rules and the kubelet's hint chains. The runtime stage's
-# apt-get line and the image as a whole were not run.
+#   go tool task image        (buildah; stamps git's version and commit)
+#   buildah build --build-arg VERSION=v0.1.0 --build-arg GIT_COMMIT=$(git rev-parse HEAD) -t kpipe:v0.1.0 .
+#
+# BASE and GO_IMAGE name the base images, so that a machine without a
+# registry can build on images it imported itself (e.g. a debootstrapped
+# Debian trixie committed as localhost/debian:trixie-slim).
+#
+# How this was checked: `BUILDAH_ISOLATION=chroot go tool task image
+# BASE=localhost/debian:trixie-slim GO_IMAGE=localhost/golang:1.26` with
+# buildah 1.28 (Debian bookworm's package; crun refuses this host's hybrid
+# cgroups, hence chroot isolation) on local base images: a debootstrap
+# --variant=minbase trixie root filesystem, and the same with Go 1.26 in
+# /usr/local/go (2.5 min, iptables 1.8.11). Then, chrooted into the image's
+# files in fresh network namespaces: `/usr/local/bin/kube-proxy --version`
+# printed the stamp; with a legacy KUBE-IPTABLES-HINT chain (beside an nft
+# rule) `iptables -V` printed "(legacy)" and left the six commands linked to
+# xtables-legacy-multi, with an nft one "(nf_tables)". Not run here: a
+# kubelet starting it. e2e TestDeployIPTablesWrapper runs the wrapper on the
+# host's iptables; TestDeployImageRunsKubeadmsCommand checks this file
+# against deploy/'s DaemonSet.
 
-FROM golang:1.26 AS build
+ARG GO_IMAGE=golang:1.26
+ARG BASE=debian:trixie-slim
+
+FROM ${GO_IMAGE} AS build
 WORKDIR /src
 COPY go.mod go.sum ./
 RUN go mod download
 COPY . .
+# Stamped into --version and kpipe_build_info (.dockerignore leaves .git out,
+# so the commit comes from here too).
+ARG VERSION=v0.0.0-dev
+ARG GIT_COMMIT=unknown
+ARG GIT_TREE_STATE=unknown
+ARG BUILD_DATE=unknown
 # GOWORK=off: the workspace's other module (tools/) is not needed for kpipe.
-RUN CGO_ENABLED=0 GOWORK=off go build -trimpath -o /out/kpipe ./cmd/kpipe
+RUN CGO_ENABLED=0 GOWORK=off go build -trimpath \
+      -ldflags "-X main.gitVersion=${VERSION} -X main.gitCommit=${GIT_COMMIT} -X main.gitTreeState=${GIT_TREE_STATE} -X main.buildDate=${BUILD_DATE}" \
+      -o /out/kpipe ./cmd/kpipe \
+ && /out/kpipe --version
 
-# Debian's iptables package has both backends (iptables-legacy, iptables-nft)
-# under update-alternatives, which the wrapper switches at start.
-FROM debian:trixie-slim
+# Debian's iptables package has both backends, xtables-legacy-multi and
+# xtables-nft-multi, in /usr/sbin, where the wrapper looks for them.
+FROM ${BASE}
 RUN apt-get update \
  && apt-get install -y --no-install-recommends iptables nftables conntrack iproute2 \
  && rm -rf /var/lib/apt/lists/*
 COPY --from=build /out/kpipe /usr/local/bin/kpipe
-COPY deploy/iptables-wrapper.sh /usr/local/bin/iptables-wrapper.sh
-# Fail the build if either backend is missing.
-RUN iptables-legacy --version && iptables-nft --version \
- && ip6tables-legacy --version && ip6tables-nft --version
-ENTRYPOINT ["/usr/local/bin/iptables-wrapper.sh", "/usr/local/bin/kpipe"]
+COPY deploy/iptables-wrapper.sh /usr/sbin/iptables-wrapper
+# kube-proxy's path is kpipe (which runs the same under either name), and the
+# six iptables commands become links to the wrapper. Fail the build if either
+# backend is missing.
+RUN ln -s kpipe /usr/local/bin/kube-proxy \
+ && /usr/sbin/iptables-wrapper --install \
+ && xtables-legacy-multi iptables --version && xtables-nft-multi iptables --version \
+ && xtables-legacy-multi ip6tables --version && xtables-nft-multi ip6tables --version \
+ && /usr/local/bin/kube-proxy --version
+ENTRYPOINT ["/usr/local/bin/kube-proxy"]

@@ -9,6 +9,7 @@ import (
 	"io"
 	"os"
 	"path/filepath"
+	"regexp"
 	"slices"
 	"sort"
 	"strings"
@@ -359,30 +360,6 @@ func checkMount(t *testing.T, pod corev1.PodSpec, c *corev1.Container, path stri
 	}
 }
 
-// TestDeployImageEntrypoint: the DaemonSet's command runs files the
-// Dockerfile puts in the image.
-func TestDeployImageEntrypoint(t *testing.T) {
-	_, c := deployDaemonSet(t)
-	dockerfile, err := os.ReadFile("../Dockerfile")
-	if err != nil {
-		t.Fatal(err)
-	}
-	var copied []string
-	for line := range strings.Lines(string(dockerfile)) {
-		if f := strings.Fields(line); len(f) >= 3 && f[0] == "COPY" {
-			copied = append(copied, f[len(f)-1])
-		}
-	}
-	if len(c.Command) == 0 {
-		t.Fatal("the container has no command: a client-side apply over kubeadm's DaemonSet would keep /usr/local/bin/kube-proxy")
-	}
-	for _, file := range c.Command {
-		if strings.HasPrefix(file, "/") && !slices.Contains(copied, file) {
-			t.Errorf("command runs %s, which the Dockerfile does not COPY (it copies %q)", file, copied)
-		}
-	}
-}
-
 // kustomization is the part of kustomize's Kustomization deploy/ uses;
 // decoding strictly makes any other field (or a typo) fail.
 type kustomization struct {
@@ -427,9 +404,17 @@ func TestDeployKustomization(t *testing.T) {
 		return im.Name == c.Image
 	})
 	if i < 0 || k.Images[i].NewName == "" {
-		t.Errorf("images %+v do not set the DaemonSet's image %q", k.Images, c.Image)
+		t.Fatalf("images %+v do not set the DaemonSet's image %q", k.Images, c.Image)
+	}
+	// A release, not :latest: what a node runs must not change under it when
+	// the kubelet pulls again (and IfNotPresent would keep an old :latest).
+	if im := k.Images[i]; im.Digest == "" && !releaseTag.MatchString(im.NewTag) {
+		t.Errorf("image %s:%s; want a release tag (vX.Y.Z) or a digest", im.NewName, im.NewTag)
 	}
 }
+
+// releaseTag is a released version's tag, as the Dockerfile stamps VERSION.
+var releaseTag = regexp.MustCompile(`^v[0-9]+\.[0-9]+\.[0-9]+$`)
 
 // TestDeployRBAC: with deploy/'s ClusterRole and binding stored (and nothing
 // else granting it anything), the kube-proxy ServiceAccount (a client
