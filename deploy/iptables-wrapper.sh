@@ -29,8 +29,9 @@ count() { # count PATTERN COMMAND...: lines of the commands' output matching PAT
 	pattern=$1
 	shift
 	for cmd in "$@"; do
-		# iptables-nft 1.8.3 could hang: bound it.
-		timeout 5 sh -c "$cmd" 2>/dev/null || true
+		# iptables-nft 1.8.3 could hang: bound it. Not our stdin: it is
+		# iptables-restore's input.
+		timeout 5 sh -c "$cmd" </dev/null 2>/dev/null || true
 	done | grep -cE "$pattern" || true
 }
 

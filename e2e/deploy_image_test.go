@@ -129,8 +129,9 @@ func TestDeployImageRunsKubeadmsCommand(t *testing.T) {
 // makes the six iptables commands its own; the first of them run in a network
 // namespace picks the backend the namespace's rules say (the kubelet's hint
 // chain, else the backend with more rules), answers from it (`iptables -V`,
-// which kpipe asks to choose how to write its rules, names it) and leaves all
-// six pointing at it.
+// which kpipe asks to choose how to write its rules, names it; an
+// iptables-restore first writes all its input there) and leaves all six
+// pointing at it.
 func TestDeployIPTablesWrapper(t *testing.T) {
 	netnstest.RequireRoot(t)
 	for _, tool := range []string{"xtables-legacy-multi", "xtables-nft-multi"} {
@@ -141,14 +142,15 @@ func TestDeployIPTablesWrapper(t *testing.T) {
 	for _, tt := range []struct {
 		name, mode, version string
 		setup               [][]string // run in the namespace before the first iptables command
+		restoreFirst        bool       // the first command is iptables-restore, not iptables -V
 	}{
 		{"legacy hint", "legacy", "(legacy)", [][]string{{"iptables-legacy", "-t", "mangle", "-N", "KUBE-IPTABLES-HINT"},
-			{"iptables-nft", "-A", "INPUT", "-j", "ACCEPT"}, {"iptables-nft", "-A", "INPUT", "-j", "ACCEPT"}}},
+			{"iptables-nft", "-A", "INPUT", "-j", "ACCEPT"}, {"iptables-nft", "-A", "INPUT", "-j", "ACCEPT"}}, true},
 		{"nft hint", "nft", "(nf_tables)", [][]string{{"ip6tables-nft", "-t", "mangle", "-N", "KUBE-KUBELET-CANARY"},
-			{"iptables-legacy", "-A", "INPUT", "-j", "ACCEPT"}}},
+			{"iptables-legacy", "-A", "INPUT", "-j", "ACCEPT"}}, false},
 		{"more legacy rules", "legacy", "(legacy)", [][]string{{"iptables-legacy", "-A", "INPUT", "-j", "ACCEPT"},
-			{"ip6tables-legacy", "-A", "INPUT", "-j", "ACCEPT"}, {"iptables-nft", "-A", "INPUT", "-j", "ACCEPT"}}},
-		{"no rules", "nft", "(nf_tables)", nil},
+			{"ip6tables-legacy", "-A", "INPUT", "-j", "ACCEPT"}, {"iptables-nft", "-A", "INPUT", "-j", "ACCEPT"}}, false},
+		{"no rules", "nft", "(nf_tables)", nil, true},
 	} {
 		t.Run(tt.name, func(t *testing.T) {
 			sbin := installWrapper(t)
@@ -159,9 +161,21 @@ func TestDeployIPTablesWrapper(t *testing.T) {
 						t.Fatalf("%q: %v: %s", args, err, out)
 					}
 				}
+				if tt.restoreFirst {
+					restore := exec.Command(filepath.Join(sbin, "iptables-restore"), "--noflush")
+					restore.Stdin = strings.NewReader("*filter\n:WRAPPER-TEST - [0:0]\n-A WRAPPER-TEST -j ACCEPT\nCOMMIT\n")
+					if out, err := restore.CombinedOutput(); err != nil {
+						t.Fatalf("iptables-restore through the wrapper: %v: %s", err, out)
+					}
+					backend := filepath.Join(sbin, "xtables-"+tt.mode+"-multi")
+					out, err := exec.Command(backend, "iptables-save", "-t", "filter").Output()
+					if err != nil || !strings.Contains(string(out), "-A WRAPPER-TEST -j ACCEPT") {
+						t.Errorf("%s iptables-save after iptables-restore through the wrapper: %v\n%s\nwant the restored chain and rule", backend, err, out)
+					}
+				}
 				out, err := exec.Command(filepath.Join(sbin, "iptables"), "-V").Output()
 				if err != nil || !strings.Contains(string(out), tt.version) {
-					t.Errorf("iptables -V through the wrapper: %q, %v; want %s", out, err, tt.version)
+					t.Errorf("iptables -V: %q, %v; want %s", out, err, tt.version)
 				}
 				checkLinks(t, sbin, "xtables-"+tt.mode+"-multi")
 				// From now on the commands are the backend's: the wrapper is not run.
