@@ -2,6 +2,7 @@ package e2e
 
 import (
 	"fmt"
+	"runtime"
 	"strings"
 	"testing"
 	"time"
@@ -44,6 +45,17 @@ func TestMetricsPerFamily(t *testing.T) {
 			!strings.Contains(key, `ip_family="IPv4"`) && !strings.Contains(key, `ip_family="IPv6"`) {
 			t.Errorf("a sync duration series without a family: %s", key)
 		}
+	}
+}
+
+// TestMetricsBuildInfo: the running kpipe's /metrics says which build it is
+// (the test bed's is unstamped, built by this Go), as kube-proxy's
+// kubernetes_build_info does.
+func TestMetricsBuildInfo(t *testing.T) {
+	setup(t)
+	labels := map[string]string{"git_version": "v0.0.0-dev", "go_version": runtime.Version(), "platform": runtime.GOOS + "/" + runtime.GOARCH}
+	if n := metricSum(t, "kpipe_build_info", labels); n != 1 {
+		t.Errorf("kpipe_build_info%v = %v, want 1", labels, n)
 	}
 }
 
