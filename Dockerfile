@@ -17,12 +17,13 @@
 # buildah 1.28 (Debian bookworm's package; crun refuses this host's hybrid
 # cgroups, hence chroot isolation) on local base images: a debootstrap
 # --variant=minbase trixie root filesystem, and the same with Go 1.26 in
-# /usr/local/go (2.5 min, iptables 1.8.11). Then, chrooted into the image's
+# /usr/local/go (3 min, iptables 1.8.11). Then, chrooted into the image's
 # files in fresh network namespaces: `/usr/local/bin/kube-proxy --version`
 # printed the stamp; with a legacy KUBE-IPTABLES-HINT chain (beside an nft
-# rule) `iptables -V` printed "(legacy)" and left the six commands linked to
-# xtables-legacy-multi, with an nft one "(nf_tables)". Not run here: a
-# kubelet starting it. e2e TestDeployIPTablesWrapper runs the wrapper on the
+# rule) a first `iptables-restore --noflush` wrote its chain with the legacy
+# backend and left the six commands linked to xtables-legacy-multi
+# (`iptables -V`: "(legacy)"), with an nft one "(nf_tables)". Not run here: a
+# kubelet starting it, kpipe serving from it. e2e TestDeployIPTablesWrapper runs the wrapper on the
 # host's iptables; TestDeployImageRunsKubeadmsCommand checks this file
 # against deploy/'s DaemonSet.
 
