@@ -214,15 +214,9 @@ func (e *env) agentRules(table string) []string {
 // agentRuleKeptFirst says whether the rule another agent put in front of kpipe's
 // jump in PREROUTING is still first, with kpipe's jump right behind it.
 func agentRuleKeptFirst(t *testing.T) error {
-	out, err := tb.Exec(tb.NodeNS, "iptables", "-w", "-t", "nat", "-S", "PREROUTING")
+	rules, err := chainRules("nat", "PREROUTING")
 	if err != nil {
 		return err
-	}
-	var rules []string
-	for _, l := range strings.Split(out, "\n") {
-		if strings.HasPrefix(l, "-A ") {
-			rules = append(rules, l)
-		}
 	}
 	if len(rules) < 2 || !strings.Contains(rules[0], agentFirst) || !strings.HasSuffix(rules[1], "-j "+nf.ChainServices) {
 		return fmt.Errorf("PREROUTING is %q; want the other agent's rule first, then kpipe's jump", rules)

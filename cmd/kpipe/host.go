@@ -79,16 +79,11 @@ func familiesOf(p hostProbes, log *slog.Logger) []bus.Family {
 // (1) and which the host left out (0). Not on /healthz: its body stays
 // kube-proxy's, on a port every pod can reach.
 func registerFamilies(reg prometheus.Registerer, programmed []bus.Family) {
-	g := prometheus.NewGaugeVec(prometheus.GaugeOpts{Name: "kpipe_ip_family_programmed",
-		Help: "1 for an IP family kpipe programs, 0 for one the host cannot have (see the IPv6 off log line)"}, []string{metrics.IPFamily})
+	on := map[string]bool{}
 	for _, f := range []bus.Family{bus.IPv4, bus.IPv6} {
-		v := 0.0
-		if slices.Contains(programmed, f) {
-			v = 1
-		}
-		g.WithLabelValues(f.String()).Set(v)
+		on[f.String()] = slices.Contains(programmed, f)
 	}
-	reg.MustRegister(g)
+	reg.MustRegister(metrics.FamiliesProgrammed(on))
 }
 
 // hostFacts are what start-up learned about the host that render needs.

@@ -373,19 +373,14 @@ func (s *Stage) ensureJumps(ctx context.Context) {
 // of it fails the commit: a chain the kernel will not delete is emptied and
 // left (deleteOrEmpty).
 func (s *Stage) deleteUnwanted(ctx context.Context, w writes, deferred map[string][]string, full bool, plan *bus.Plan) {
-	for _, tw := range w.tables {
+	for i, tw := range w.tables { // in plan.Tables' order (apply)
 		del := deferred[tw.table]
 		switch {
 		case full:
 			s.ledger.keepStuck(tw.table, tw.stale)
 			del = append(del, tw.stale...)
 		case plan.Refresh:
-			wanted := map[string]bool{}
-			for _, tp := range plan.Tables {
-				if tp.Table == tw.table {
-					wanted = planned(tp)
-				}
-			}
+			wanted := planned(plan.Tables[i])
 			for _, c := range s.ledger.stuckIn(tw.table) {
 				if !wanted[c] {
 					del = append(del, c)

@@ -12,3 +12,19 @@ func BuildInfo(labels prometheus.Labels) prometheus.Collector {
 	g.Set(1)
 	return g
 }
+
+// FamiliesProgrammed is kpipe_ip_family_programmed: 1 for each IP family (by
+// its ip_family label) kpipe programs, 0 for one the host cannot have (an
+// IPv6 kernel without an IPv6 nat table).
+func FamiliesProgrammed(on map[string]bool) prometheus.Collector {
+	g := prometheus.NewGaugeVec(prometheus.GaugeOpts{Name: "kpipe_ip_family_programmed",
+		Help: "1 for an IP family kpipe programs, 0 for one the host cannot have (see the IPv6 off log line)"}, []string{IPFamily})
+	for family, programmed := range on {
+		v := 0.0
+		if programmed {
+			v = 1
+		}
+		g.WithLabelValues(family).Set(v)
+	}
+	return g
+}
