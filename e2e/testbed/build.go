@@ -89,15 +89,27 @@ func goBuild(dir string, ownModule bool, out string, pkgs ...string) error {
 }
 
 // ControlPlaneBinaries are the paths of the kube-apiserver and etcd binaries,
-// and of upstream kube-proxy (same Kubernetes version) for the swap tests.
+// of upstream kube-proxy (same Kubernetes version) for the swap tests, and
+// of the rest of a real cluster (e2e/cluster): kubelet, controller manager,
+// scheduler, kubectl and kubeadm.
 type ControlPlaneBinaries struct {
-	APIServer string
-	Etcd      string
-	KubeProxy string
+	APIServer         string
+	Etcd              string
+	KubeProxy         string
+	Kubelet           string
+	ControllerManager string
+	Scheduler         string
+	Kubectl           string
+	Kubeadm           string
 }
 
 func (b ControlPlaneBinaries) complete() bool {
-	return exists(b.APIServer) && exists(b.Etcd) && exists(b.KubeProxy)
+	for _, p := range []string{b.APIServer, b.Etcd, b.KubeProxy, b.Kubelet, b.ControllerManager, b.Scheduler, b.Kubectl, b.Kubeadm} {
+		if !exists(p) {
+			return false
+		}
+	}
+	return true
 }
 
 // CacheDir is where built control-plane binaries are kept between runs:
@@ -130,9 +142,14 @@ func EnsureControlPlane(root string, logf func(string, ...any)) (ControlPlaneBin
 	key := hex.EncodeToString(h.Sum(nil))[:16]
 	dir := filepath.Join(CacheDir(), key)
 	bins := ControlPlaneBinaries{
-		APIServer: filepath.Join(dir, "kube-apiserver"),
-		Etcd:      filepath.Join(dir, "etcd"),
-		KubeProxy: filepath.Join(dir, "kube-proxy"),
+		APIServer:         filepath.Join(dir, "kube-apiserver"),
+		Etcd:              filepath.Join(dir, "etcd"),
+		KubeProxy:         filepath.Join(dir, "kube-proxy"),
+		Kubelet:           filepath.Join(dir, "kubelet"),
+		ControllerManager: filepath.Join(dir, "kube-controller-manager"),
+		Scheduler:         filepath.Join(dir, "kube-scheduler"),
+		Kubectl:           filepath.Join(dir, "kubectl"),
+		Kubeadm:           filepath.Join(dir, "kubeadm"),
 	}
 	if bins.complete() {
 		return bins, nil
@@ -159,8 +176,12 @@ func EnsureControlPlane(root string, logf func(string, ...any)) (ControlPlaneBin
 	}
 	defer os.RemoveAll(tmp)
 	start := time.Now()
-	logf("building kube-apiserver, kube-proxy and etcd into %s (first run on this machine: several minutes)", dir)
-	if err := goBuild(cpDir, true, tmp+string(filepath.Separator), "k8s.io/kubernetes/cmd/kube-apiserver", "k8s.io/kubernetes/cmd/kube-proxy", "./etcd"); err != nil {
+	logf("building etcd and Kubernetes' kube-apiserver, kube-proxy, kubelet, kube-controller-manager, kube-scheduler, kubectl and kubeadm into %s (first run on this machine: several minutes)", dir)
+	pkgs := []string{"./etcd"}
+	for _, cmd := range []string{"kube-apiserver", "kube-proxy", "kubelet", "kube-controller-manager", "kube-scheduler", "kubectl", "kubeadm"} {
+		pkgs = append(pkgs, "k8s.io/kubernetes/cmd/"+cmd)
+	}
+	if err := goBuild(cpDir, true, tmp+string(filepath.Separator), pkgs...); err != nil {
 		return bins, err
 	}
 	_ = os.RemoveAll(dir)
