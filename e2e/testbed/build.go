@@ -139,6 +139,12 @@ func EnsureControlPlane(root string, logf func(string, ...any)) (ControlPlaneBin
 		h.Write([]byte(f))
 		h.Write(b)
 	}
+	version, err := kubernetesVersion(filepath.Join(cpDir, "go.mod"))
+	if err != nil {
+		return ControlPlaneBinaries{}, err
+	}
+	stamp := versionStamp(version)
+	h.Write([]byte(stamp))
 	key := hex.EncodeToString(h.Sum(nil))[:16]
 	dir := filepath.Join(CacheDir(), key)
 	bins := ControlPlaneBinaries{
@@ -181,7 +187,7 @@ func EnsureControlPlane(root string, logf func(string, ...any)) (ControlPlaneBin
 	for _, cmd := range []string{"kube-apiserver", "kube-proxy", "kubelet", "kube-controller-manager", "kube-scheduler", "kubectl", "kubeadm"} {
 		pkgs = append(pkgs, "k8s.io/kubernetes/cmd/"+cmd)
 	}
-	if err := goBuild(cpDir, true, tmp+string(filepath.Separator), pkgs...); err != nil {
+	if err := goBuild(cpDir, true, tmp+string(filepath.Separator), append([]string{"-ldflags", stamp}, pkgs...)...); err != nil {
 		return bins, err
 	}
 	_ = os.RemoveAll(dir)
@@ -190,6 +196,38 @@ func EnsureControlPlane(root string, logf func(string, ...any)) (ControlPlaneBin
 	}
 	logf("built control plane in %v", time.Since(start).Round(time.Second))
 	return bins, nil
+}
+
+// kubernetesVersion is the version of k8s.io/kubernetes that go.mod requires.
+func kubernetesVersion(goMod string) (string, error) {
+	b, err := os.ReadFile(goMod)
+	if err != nil {
+		return "", fmt.Errorf("read control plane pins: %w", err)
+	}
+	for _, line := range strings.Split(string(b), "\n") {
+		if f := strings.Fields(line); len(f) >= 2 && f[0] == "k8s.io/kubernetes" {
+			return f[1], nil
+		}
+	}
+	return "", fmt.Errorf("%s requires no k8s.io/kubernetes", goMod)
+}
+
+// versionStamp is the linker flags Kubernetes' own build sets
+// (hack/lib/version.sh), so that every binary reports its release (kubelet's
+// Node status, the apiserver's /version, kubeadm's version checks) rather
+// than v0.0.0-master.
+func versionStamp(version string) string {
+	major, minor, _ := strings.Cut(strings.TrimPrefix(version, "v"), ".")
+	minor, _, _ = strings.Cut(minor, ".")
+	var flags []string
+	for _, pkg := range []string{"k8s.io/component-base/version", "k8s.io/client-go/pkg/version"} {
+		flags = append(flags,
+			"-X "+pkg+".gitVersion="+version,
+			"-X "+pkg+".gitMajor="+major,
+			"-X "+pkg+".gitMinor="+minor,
+			"-X "+pkg+".gitTreeState=clean")
+	}
+	return strings.Join(flags, " ")
 }
 
 func exists(path string) bool {
