@@ -93,6 +93,7 @@ func goBuild(dir string, ownModule bool, out string, pkgs ...string) error {
 // of the rest of a real cluster (e2e/cluster): kubelet, controller manager,
 // scheduler, kubectl and kubeadm.
 type ControlPlaneBinaries struct {
+	Version           string // their Kubernetes release, e.g. v1.34.4
 	APIServer         string
 	Etcd              string
 	KubeProxy         string
@@ -148,6 +149,7 @@ func EnsureControlPlane(root string, logf func(string, ...any)) (ControlPlaneBin
 	key := hex.EncodeToString(h.Sum(nil))[:16]
 	dir := filepath.Join(CacheDir(), key)
 	bins := ControlPlaneBinaries{
+		Version:           version,
 		APIServer:         filepath.Join(dir, "kube-apiserver"),
 		Etcd:              filepath.Join(dir, "etcd"),
 		KubeProxy:         filepath.Join(dir, "kube-proxy"),
