@@ -214,13 +214,13 @@ func (b *builder) pause() (Image, error) {
 // distroless's nonroot, with the CA bundle beside it.
 func (b *builder) coreDNS() (Image, error) {
 	var extra []layerFile
-	if ca := "/etc/ssl/certs/ca-certificates.crt"; fileExists(ca) {
-		extra = append(extra, layerFile{Name: "etc/ssl/certs/ca-certificates.crt", Source: ca, Mode: 0o644})
+	if fileExists(hostCABundle) {
+		extra = append(extra, layerFile{Name: strings.TrimPrefix(hostCABundle, "/"), Source: hostCABundle, Mode: 0o644})
 	}
 	return b.scratch("coredns", CoreDNSRef, imageConfig{
 		User:         "65532:65532",
 		Entrypoint:   []string{"/coredns"},
-		Env:          []string{"PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "SSL_CERT_FILE=/etc/ssl/certs/ca-certificates.crt"},
+		Env:          []string{"PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "SSL_CERT_FILE=" + hostCABundle},
 		WorkingDir:   "/",
 		ExposedPorts: map[string]struct{}{"53/tcp": {}, "53/udp": {}},
 	}, []goProgram{{
@@ -506,15 +506,10 @@ func buildah(args ...string) (string, error) {
 // isolation (crun refuses this host's hybrid cgroups).
 var buildahBuildArgs = []string{"build", "--isolation", "chroot", "--network", "host", "--pull=never", "--layers"}
 
-// debianKey names the debootstrapped base.
-func debianKey() string {
-	return newKey("debian/1", debianRef, debianSuite, debianMirror, "minbase").sum()
-}
-
 // debian is localhost/debian:bookworm: `debootstrap --variant=minbase`,
 // committed with buildah.
 func (b *builder) debian() (Image, error) {
-	return b.cached("debian", debianKey(), func(archive string) error {
+	return b.cached("debian", newKey("debian/1", debianRef, debianSuite, debianMirror, "minbase").sum(), func(archive string) error {
 		rootfs, err := os.MkdirTemp(b.o.Cache, "debian.rootfs-")
 		if err != nil {
 			return err
@@ -530,37 +525,50 @@ func (b *builder) debian() (Image, error) {
 				_ = os.RemoveAll(m)
 			}
 		}
-		return commitTree(debianRef, "scratch", rootfs, "/", archive,
+		return commitTree(debianRef, "scratch", []copyIn{{rootfs, "/"}}, archive,
 			"--env", "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "--cmd", "/bin/bash")
 	})
 }
 
+// hostCABundle is the host's trusted certificates: the golang image's, so
+// that the kpipe build's `go mod download` trusts what the host trusts (here
+// an egress proxy's own CA: Debian's ca-certificates alone fails with "x509:
+// certificate signed by unknown authority"); upstream's golang image has
+// ca-certificates for the same reason. CoreDNS's image has it as upstream's.
+const hostCABundle = "/etc/ssl/certs/ca-certificates.crt"
+
 // golang is localhost/golang:1.26: the Debian base with the host's Go in
-// /usr/local/go (the kpipe image's build stage).
+// /usr/local/go and the host's CA bundle (the kpipe image's build stage).
 func (b *builder) golang(debian Image) (Image, error) {
 	out, err := testbed.GoCmd(b.o.Root, false, nil, "env", "GOROOT").Output()
 	if err != nil {
 		return Image{}, fmt.Errorf("go env GOROOT: %w", err)
 	}
 	goroot := strings.TrimSpace(string(out))
+	copies := []copyIn{{goroot, "/usr/local/go"}, {hostCABundle, hostCABundle}}
 	k := newKey("golang/1", golangRef, filepath.Base(debian.Archive))
-	if err := k.addFile(filepath.Join(goroot, "VERSION")); err != nil {
-		return Image{}, err
+	for _, f := range []string{filepath.Join(goroot, "VERSION"), hostCABundle} {
+		if err := k.addFile(f); err != nil {
+			return Image{}, err
+		}
 	}
 	return b.cached("golang", k.sum(), func(archive string) error {
 		if err := loadIntoBuildah(debian); err != nil {
 			return err
 		}
-		return commitTree(golangRef, debianRef, goroot, "/usr/local/go", archive,
+		return commitTree(golangRef, debianRef, copies, archive,
 			"--env", "PATH=/go/bin:/usr/local/go/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
 			"--env", "GOPATH=/go", "--env", "GOTOOLCHAIN=local")
 	})
 }
 
-// commitTree commits the image ref: from, with the host directory src
-// copied to dst (cp -a: owners, modes, links, devices), configured with
-// configArgs, and pushes it to archive.
-func commitTree(ref, from, src, dst, archive string, configArgs ...string) error {
+// copyIn is a host file or directory put into an image.
+type copyIn struct{ src, dst string }
+
+// commitTree commits the image ref: from, with each copy's host file or
+// directory copied in (cp -a: owners, modes, links, devices), configured
+// with configArgs, and pushes it to archive.
+func commitTree(ref, from string, copies []copyIn, archive string, configArgs ...string) error {
 	c, err := buildah("from", "--pull=never", from)
 	if err != nil {
 		return err
@@ -575,11 +583,7 @@ func commitTree(ref, from, src, dst, archive string, configArgs ...string) error
 	if err != nil {
 		return err
 	}
-	target := filepath.Join(mnt, dst)
-	if err := os.MkdirAll(target, 0o755); err != nil {
-		return err
-	}
-	_, cpErr := testbed.Run("cp", "-a", src+"/.", target+"/")
+	cpErr := copyInto(mnt, copies)
 	if _, err := buildah("umount", c); err != nil && cpErr == nil {
 		cpErr = err
 	}
@@ -594,6 +598,29 @@ func commitTree(ref, from, src, dst, archive string, configArgs ...string) error
 	}
 	committed = true
 	return pushArchive(ref, archive)
+}
+
+func copyInto(mnt string, copies []copyIn) error {
+	for _, c := range copies {
+		target := filepath.Join(mnt, c.dst)
+		st, err := os.Stat(c.src)
+		if err != nil {
+			return err
+		}
+		argv := []string{"cp", "-L", "--preserve=mode", c.src, target}
+		if st.IsDir() {
+			argv = []string{"cp", "-a", c.src + "/.", target + "/"}
+		} else {
+			target = filepath.Dir(target)
+		}
+		if err := os.MkdirAll(target, 0o755); err != nil {
+			return err
+		}
+		if _, err := testbed.Run(argv...); err != nil {
+			return err
+		}
+	}
+	return nil
 }
 
 func pushArchive(ref, archive string) error {
@@ -618,31 +645,22 @@ func loadIntoBuildah(img Image) error {
 	return err
 }
 
-// bases are the Debian and Go base images, built when missing.
-func (b *builder) bases() (debian, golang Image, err error) {
-	if debian, err = b.debian(); err != nil {
-		return
-	}
-	golang, err = b.golang(debian)
-	return
-}
-
 // kubeProxy is upstream kube-proxy (o.KubeProxy) in its image's Debian root
 // filesystem (e2e/cluster/images/kube-proxy/Dockerfile).
 func (b *builder) kubeProxy() (Image, error) {
 	dockerfile := filepath.Join(b.o.Root, "e2e", "cluster", "images", "kube-proxy", "Dockerfile")
 	wrapper := filepath.Join(b.o.Root, "deploy", "iptables-wrapper.sh")
-	k := newKey("kube-proxy/1", KubeProxyRef, debianKey())
+	debian, err := b.debian()
+	if err != nil {
+		return Image{}, err
+	}
+	k := newKey("kube-proxy/1", KubeProxyRef, filepath.Base(debian.Archive))
 	for _, f := range []string{dockerfile, wrapper, b.o.KubeProxy} {
 		if err := k.addFile(f); err != nil {
 			return Image{}, err
 		}
 	}
 	return b.cached("kube-proxy", k.sum(), func(archive string) error {
-		debian, _, err := b.bases()
-		if err != nil {
-			return err
-		}
 		if err := loadIntoBuildah(debian); err != nil {
 			return err
 		}
@@ -673,7 +691,11 @@ func (b *builder) kpipe() (Image, error) {
 	if err != nil {
 		return Image{}, err
 	}
-	debian, golang, err := b.bases()
+	debian, err := b.debian()
+	if err != nil {
+		return Image{}, err
+	}
+	golang, err := b.golang(debian)
 	if err != nil {
 		return Image{}, err
 	}

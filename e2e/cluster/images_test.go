@@ -4,7 +4,9 @@ import (
 	"archive/tar"
 	"bytes"
 	"context"
+	"crypto/sha256"
 	"encoding/binary"
+	"encoding/hex"
 	"errors"
 	"fmt"
 	"net"
@@ -260,11 +262,21 @@ func TestBuiltImagesRun(t *testing.T) {
 	})
 
 	t.Run("kube-proxy image", func(t *testing.T) {
+		hostVersion, err := exec.Command(o.KubeProxy, "--version").Output()
+		if err != nil {
+			t.Fatal(err)
+		}
+		sum, err := fileSHA256(o.KubeProxy)
+		if err != nil {
+			t.Fatal(err)
+		}
 		for _, c := range []struct {
 			argv []string
 			want string
 		}{
-			{[]string{"/usr/local/bin/kube-proxy", "--version"}, "Kubernetes v1.34.4"},
+			// The very binary given, which runs there.
+			{[]string{"sha256sum", "/usr/local/bin/kube-proxy"}, sum},
+			{[]string{"/usr/local/bin/kube-proxy", "--version"}, strings.TrimSpace(string(hostVersion))},
 			{[]string{"xtables-legacy-multi", "iptables", "-V"}, "(legacy)"},
 			{[]string{"xtables-nft-multi", "iptables", "-V"}, "(nf_tables)"},
 			{[]string{"xtables-nft-multi", "ip6tables", "-V"}, "(nf_tables)"},
@@ -522,4 +534,13 @@ func (c *testContainerd) stopTask(t *testing.T, id string) {
 	})
 	_, _ = exec.Command("ctr", c.args("task", "delete", id)...).CombinedOutput()
 	_, _ = exec.Command("ctr", c.args("containers", "delete", id)...).CombinedOutput()
+}
+
+func fileSHA256(name string) (string, error) {
+	b, err := os.ReadFile(name)
+	if err != nil {
+		return "", err
+	}
+	sum := sha256.Sum256(b)
+	return hex.EncodeToString(sum[:]), nil
 }
