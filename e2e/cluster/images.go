@@ -15,7 +15,9 @@ package cluster
 // Cache layout: o.Cache/NAME-KEY.tar, KEY hashing everything the image is
 // made of (sources, binaries, Dockerfiles, bases), so a changed input makes a
 // new archive and an unchanged one is never rebuilt. One caller builds at a
-// time (o.Cache/.lock); the others wait and find the archives.
+// time (o.Cache/.lock); the others wait and find the archives. Archives of
+// older keys stay until removed by hand (another work tree may still use
+// them), as do the images buildah's storage keeps.
 
 import (
 	"archive/tar"
@@ -69,7 +71,9 @@ func (im Images) All() []Image {
 // Names and tags of the images. kubeadm with imageRepository "localhost"
 // names CoreDNS localhost/coredns:v1.12.1 (only registry.k8s.io gets the
 // extra /coredns path: kubeadm's images.GetDNSImage) and kube-proxy
-// localhost/kube-proxy:v1.34.4.
+// localhost/kube-proxy:v1.34.4. The pause tag is the cluster's choice:
+// kubeadm v1.34's PauseVersion is 3.10.1, and kubeadm only warns when
+// containerd's sandbox_image differs.
 const (
 	PauseRef     = "localhost/pause:3.10"
 	CoreDNSRef   = "localhost/coredns:v1.12.1"
