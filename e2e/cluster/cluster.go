@@ -54,4 +54,4 @@ func Dir() string {
 // Kubeconfig is the admin kubeconfig, for kubectl on the host.
 func Kubeconfig() string { return filepath.Join(Dir(), "admin.conf") }
 
-func path(parts ...string) string { return filepath.Join(append([]string{Dir()}, parts...)...) }
+func inDir(parts ...string) string { return filepath.Join(append([]string{Dir()}, parts...)...) }

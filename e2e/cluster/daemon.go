@@ -19,12 +19,12 @@ import (
 // PID in Dir/run/name.pid, so that it outlives `go tool task cluster` and
 // Down finds it.
 func startDaemon(name string, env []string, argv ...string) (int, error) {
-	for _, d := range []string{path("logs"), path("run")} {
+	for _, d := range []string{inDir("logs"), inDir("run")} {
 		if err := os.MkdirAll(d, 0o755); err != nil {
 			return 0, err
 		}
 	}
-	log, err := os.OpenFile(path("logs", name+".log"), os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o644)
+	log, err := os.OpenFile(inDir("logs", name+".log"), os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o644)
 	if err != nil {
 		return 0, err
 	}
@@ -39,7 +39,7 @@ func startDaemon(name string, env []string, argv ...string) (int, error) {
 	}
 	pid := cmd.Process.Pid
 	_ = cmd.Process.Release()
-	if err := os.WriteFile(path("run", name+".pid"), []byte(strconv.Itoa(pid)), 0o644); err != nil {
+	if err := os.WriteFile(inDir("run", name+".pid"), []byte(strconv.Itoa(pid)), 0o644); err != nil {
 		return pid, err
 	}
 	return pid, nil
@@ -47,7 +47,7 @@ func startDaemon(name string, env []string, argv ...string) (int, error) {
 
 // daemonPID is the recorded PID of name if that process still runs.
 func daemonPID(name string) (int, bool) {
-	b, err := os.ReadFile(path("run", name+".pid"))
+	b, err := os.ReadFile(inDir("run", name+".pid"))
 	if err != nil {
 		return 0, false
 	}
@@ -82,7 +82,7 @@ func stopDaemon(name string, grace time.Duration) error {
 			return fmt.Errorf("stop %s: %w", name, err)
 		}
 	}
-	if err := os.Remove(path("run", name+".pid")); err != nil && !errors.Is(err, os.ErrNotExist) {
+	if err := os.Remove(inDir("run", name+".pid")); err != nil && !errors.Is(err, os.ErrNotExist) {
 		return err
 	}
 	return nil

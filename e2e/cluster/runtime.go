@@ -11,7 +11,7 @@ import (
 	"time"
 )
 
-func containerdSocket() string { return path("containerd", "containerd.sock") }
+func containerdSocket() string { return inDir("containerd", "containerd.sock") }
 
 // containerdConfig is Debian's containerd 1.6 with its own root, state,
 // socket and runc state (nothing shared with a containerd the host may run),
@@ -43,8 +43,8 @@ state = %q
       [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc.options]
         SystemdCgroup = false
         Root = %q
-`, path("containerd", "root"), path("containerd", "state"), containerdSocket(), containerdSocket()+".ttrpc",
-		PauseRef, path("cni", "net.d"), path("containerd", "runc"))
+`, inDir("containerd", "root"), inDir("containerd", "state"), containerdSocket(), containerdSocket()+".ttrpc",
+		PauseRef, inDir("cni", "net.d"), inDir("containerd", "runc"))
 }
 
 // cniConfig is the node's pod network: the bridge plugin with ipMasq (its
@@ -105,29 +105,29 @@ evictionHard:
   nodefs.inodesFree: "1%%"
 rotateCertificates: false
 serverTLSBootstrap: false
-`, containerdSocket(), cgroupRoot, NodeIP, DNSIP, path("resolv.conf"), path("pki", "ca.crt"))
+`, containerdSocket(), cgroupRoot, NodeIP, DNSIP, inDir("resolv.conf"), inDir("pki", "ca.crt"))
 }
 
 func (c *Cluster) startNode(ctx context.Context, logf func(string, ...any)) error {
-	for _, d := range []string{path("containerd"), path("cni", "net.d"), path("kubelet")} {
+	for _, d := range []string{inDir("containerd"), inDir("cni", "net.d"), inDir("kubelet")} {
 		if err := os.MkdirAll(d, 0o755); err != nil {
 			return err
 		}
 	}
 	files := map[string]string{
-		path("containerd", "config.toml"):       containerdConfig(),
-		path("cni", "net.d", "10-kpc.conflist"): cniConfig(),
-		path("kubelet-config.yaml"):             kubeletConfig(),
+		inDir("containerd", "config.toml"):       containerdConfig(),
+		inDir("cni", "net.d", "10-kpc.conflist"): cniConfig(),
+		inDir("kubelet-config.yaml"):             kubeletConfig(),
 		// CoreDNS forwards what is not cluster.local to the host's end of the
 		// veth, where nothing answers: no query leaves the machine.
-		path("resolv.conf"): "nameserver " + HostIP + "\n",
+		inDir("resolv.conf"): "nameserver " + HostIP + "\n",
 	}
 	for f, body := range files {
 		if err := os.WriteFile(f, []byte(body), 0o644); err != nil {
 			return err
 		}
 	}
-	if _, err := startDaemon("containerd", nil, "containerd", "--config", path("containerd", "config.toml")); err != nil {
+	if _, err := startDaemon("containerd", nil, "containerd", "--config", inDir("containerd", "config.toml")); err != nil {
 		return err
 	}
 	if err := waitFor(ctx, 30*time.Second, "containerd's socket", func() error {
@@ -144,8 +144,8 @@ func (c *Cluster) startNode(ctx context.Context, logf func(string, ...any)) erro
 	}
 	logf("containerd up, images imported")
 	if _, err := startDaemon("kubelet", nil, c.Bins.Kubelet,
-		"--config", path("kubelet-config.yaml"), "--kubeconfig", path("kubelet.conf"),
-		"--root-dir", path("kubelet"), "--cert-dir", path("kubelet", "pki"),
+		"--config", inDir("kubelet-config.yaml"), "--kubeconfig", inDir("kubelet.conf"),
+		"--root-dir", inDir("kubelet"), "--cert-dir", inDir("kubelet", "pki"),
 		"--hostname-override", NodeName, "--node-ip", NodeIP, "--v=1"); err != nil {
 		return err
 	}
@@ -202,7 +202,7 @@ func Down() []error {
 	errs = append(errs, unmountUnder(Dir())...)
 	errs = append(errs, tearDownNetwork(pods)...)
 	errs = append(errs, removeCgroupRoot()...)
-	if _, err := os.Stat(path("made-lib-modules")); err == nil {
+	if _, err := os.Stat(inDir("made-lib-modules")); err == nil {
 		note(os.Remove("/lib/modules"))
 	}
 	if err := os.RemoveAll(Dir()); err != nil && !errors.Is(err, os.ErrNotExist) {

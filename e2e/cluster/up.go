@@ -55,7 +55,7 @@ func Up(ctx context.Context, logf func(string, ...any)) (*Cluster, error) {
 		return nil, fmt.Errorf("clear the previous cluster: %v", errors.Join(errs...))
 	}
 	if err := c.create(ctx, logf); err != nil {
-		return nil, fmt.Errorf("%w\n(logs in %s)", err, path("logs"))
+		return nil, fmt.Errorf("%w\n(logs in %s)", err, inDir("logs"))
 	}
 	logf("cluster up in %v; kubeconfig %s", time.Since(start).Round(time.Second), c.Kubeconfig)
 	return c, nil
@@ -74,7 +74,7 @@ func running() bool {
 }
 
 func (c *Cluster) create(ctx context.Context, logf func(string, ...any)) error {
-	for _, d := range []string{path("pki"), path("run"), path("logs")} {
+	for _, d := range []string{inDir("pki"), inDir("run"), inDir("logs")} {
 		if err := os.MkdirAll(d, 0o755); err != nil {
 			return err
 		}
@@ -91,7 +91,7 @@ func (c *Cluster) create(ctx context.Context, logf func(string, ...any)) error {
 		if err := os.MkdirAll("/lib/modules", 0o755); err != nil {
 			return err
 		}
-		if err := os.WriteFile(path("made-lib-modules"), nil, 0o644); err != nil {
+		if err := os.WriteFile(inDir("made-lib-modules"), nil, 0o644); err != nil {
 			return err
 		}
 	}
@@ -108,7 +108,7 @@ func (c *Cluster) create(ctx context.Context, logf func(string, ...any)) error {
 }
 
 func writePKI() error {
-	dir := path("pki")
+	dir := inDir("pki")
 	authority, err := newCA()
 	if err != nil {
 		return err
@@ -149,7 +149,7 @@ func writePKI() error {
 		if err != nil {
 			return err
 		}
-		if err := os.WriteFile(path(u.file), kubeconfig(server, authority.pem, u.cn, kp), 0o600); err != nil {
+		if err := os.WriteFile(inDir(u.file), kubeconfig(server, authority.pem, u.cn, kp), 0o600); err != nil {
 			return err
 		}
 	}
@@ -157,9 +157,9 @@ func writePKI() error {
 }
 
 func (c *Cluster) startControlPlane(ctx context.Context, logf func(string, ...any)) error {
-	pki := func(f string) string { return path("pki", f) }
+	pki := func(f string) string { return inDir("pki", f) }
 	if _, err := startDaemon("etcd", nil, c.Bins.Etcd,
-		"--name", "kpc", "--data-dir", path("etcd"),
+		"--name", "kpc", "--data-dir", inDir("etcd"),
 		"--listen-client-urls", "http://127.0.0.1:2379", "--advertise-client-urls", "http://127.0.0.1:2379",
 		"--listen-peer-urls", "http://127.0.0.1:2380", "--initial-advertise-peer-urls", "http://127.0.0.1:2380",
 		"--initial-cluster", "kpc=http://127.0.0.1:2380", "--listen-metrics-urls", "http://127.0.0.1:2381",
@@ -195,8 +195,8 @@ func (c *Cluster) startControlPlane(ctx context.Context, logf func(string, ...an
 	}
 	logf("apiserver ready")
 	if _, err := startDaemon("kube-controller-manager", nil, c.Bins.ControllerManager,
-		"--kubeconfig", path("controller-manager.conf"),
-		"--authentication-kubeconfig", path("controller-manager.conf"), "--authorization-kubeconfig", path("controller-manager.conf"),
+		"--kubeconfig", inDir("controller-manager.conf"),
+		"--authentication-kubeconfig", inDir("controller-manager.conf"), "--authorization-kubeconfig", inDir("controller-manager.conf"),
 		"--bind-address", "127.0.0.1", "--leader-elect=false",
 		"--service-account-private-key-file", pki("sa.key"), "--root-ca-file", pki("ca.crt"),
 		"--use-service-account-credentials=true",
@@ -205,8 +205,8 @@ func (c *Cluster) startControlPlane(ctx context.Context, logf func(string, ...an
 		return err
 	}
 	_, err := startDaemon("kube-scheduler", nil, c.Bins.Scheduler,
-		"--kubeconfig", path("scheduler.conf"),
-		"--authentication-kubeconfig", path("scheduler.conf"), "--authorization-kubeconfig", path("scheduler.conf"),
+		"--kubeconfig", inDir("scheduler.conf"),
+		"--authentication-kubeconfig", inDir("scheduler.conf"), "--authorization-kubeconfig", inDir("scheduler.conf"),
 		"--bind-address", "127.0.0.1", "--leader-elect=false")
 	return err
 }
@@ -240,12 +240,12 @@ func (c *Cluster) nodeReady(ctx context.Context) error {
 // addons deploys kube-proxy and CoreDNS with kubeadm's own `init phase
 // addon`, as `kubeadm init` does, and waits for both to serve.
 func (c *Cluster) addons(ctx context.Context, logf func(string, ...any)) error {
-	if err := os.WriteFile(path("kubeadm.yaml"), []byte(c.kubeadmConfig()), 0o644); err != nil {
+	if err := os.WriteFile(inDir("kubeadm.yaml"), []byte(c.kubeadmConfig()), 0o644); err != nil {
 		return err
 	}
 	for _, addon := range []string{"kube-proxy", "coredns"} {
 		out, err := exec.CommandContext(ctx, c.Bins.Kubeadm, "init", "phase", "addon", addon,
-			"--config", path("kubeadm.yaml"), "--kubeconfig", c.Kubeconfig).CombinedOutput()
+			"--config", inDir("kubeadm.yaml"), "--kubeconfig", c.Kubeconfig).CombinedOutput()
 		if err != nil {
 			return fmt.Errorf("kubeadm init phase addon %s: %v: %s", addon, err, out)
 		}

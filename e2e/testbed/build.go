@@ -57,12 +57,12 @@ func isKpipeRoot(dir string) bool {
 	return false
 }
 
-// goBuild runs `go build -o out pkgs...` in dir. With ownModule set, dir is
-// a module outside the repository's go.work (e2e/controlplane): the build
-// runs with GOWORK=off, and GOFLAGS minus any -modfile (which only ever
-// applies to the module it was meant for).
-func goBuild(dir string, ownModule bool, out string, pkgs ...string) error {
-	args := append([]string{"build", "-o", out}, pkgs...)
+// GoCmd is `go args...` in dir, with env added to the environment. With
+// ownModule set, dir is a module outside the repository's go.work
+// (e2e/controlplane, e2e/cluster/coredns): it runs with GOWORK=off, and
+// GOFLAGS minus any -modfile (which only ever applies to the module it was
+// meant for).
+func GoCmd(dir string, ownModule bool, env []string, args ...string) *exec.Cmd {
 	cmd := exec.Command("go", args...)
 	cmd.Dir = dir
 	cmd.Env = os.Environ()
@@ -76,6 +76,14 @@ func goBuild(dir string, ownModule bool, out string, pkgs ...string) error {
 		}
 		cmd.Env = append(cmd.Env, "GOFLAGS="+strings.Join(kept, " "))
 	}
+	cmd.Env = append(cmd.Env, env...)
+	return cmd
+}
+
+// GoBuild runs `go build -o out pkgs...` in dir, as GoCmd does (env: e.g.
+// CGO_ENABLED=0 for a static binary).
+func GoBuild(dir string, ownModule bool, env []string, out string, pkgs ...string) error {
+	cmd := GoCmd(dir, ownModule, env, append([]string{"build", "-o", out}, pkgs...)...)
 	var outBuf strings.Builder
 	cmd.Stdout = &outBuf
 	cmd.Stderr = &outBuf
@@ -189,7 +197,7 @@ func EnsureControlPlane(root string, logf func(string, ...any)) (ControlPlaneBin
 	for _, cmd := range []string{"kube-apiserver", "kube-proxy", "kubelet", "kube-controller-manager", "kube-scheduler", "kubectl", "kubeadm"} {
 		pkgs = append(pkgs, "k8s.io/kubernetes/cmd/"+cmd)
 	}
-	if err := goBuild(cpDir, true, tmp+string(filepath.Separator), append([]string{"-ldflags", stamp}, pkgs...)...); err != nil {
+	if err := GoBuild(cpDir, true, nil, tmp+string(filepath.Separator), append([]string{"-ldflags", stamp}, pkgs...)...); err != nil {
 		return bins, err
 	}
 	_ = os.RemoveAll(dir)

@@ -74,7 +74,7 @@ func (tb *Testbed) BuildKpipe() (*Kpipe, error) {
 		return k, nil
 	}
 	bin := tb.path("kpipe")
-	if err := goBuild(tb.Root, false, bin, "./cmd/kpipe"); err != nil {
+	if err := GoBuild(tb.Root, false, nil, bin, "./cmd/kpipe"); err != nil {
 		return nil, err
 	}
 	k = &Kpipe{tb: tb, Bin: bin, LogPath: tb.path("kpipe.log"), Args: tb.DefaultKpipeArgs()}

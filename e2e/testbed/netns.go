@@ -70,6 +70,17 @@ func (tb *Testbed) InNamespace(ns string, fn func() error) error {
 	return inNamespace(target, fn)
 }
 
+// InNetNSPath is InNamespace for a namespace named by a path, such as a
+// container's /proc/PID/ns/net.
+func InNetNSPath(path string, fn func() error) error {
+	target, err := netns.GetFromPath(path)
+	if err != nil {
+		return fmt.Errorf("open network namespace %s: %w", path, err)
+	}
+	defer target.Close()
+	return inNamespace(target, fn)
+}
+
 func inNamespace(target netns.NsHandle, fn func() error) error {
 	errc := make(chan error, 1)
 	go func() {
@@ -130,13 +141,13 @@ func (tb *Testbed) Dialer(ns string) func(ctx context.Context, network, address 
 // Exec runs argv inside network namespace ns (ip netns exec) and returns its
 // standard output. Arguments are passed as a list, never through a shell.
 func (tb *Testbed) Exec(ns string, argv ...string) (string, error) {
-	return run(append([]string{"ip", "netns", "exec", ns}, argv...)...)
+	return Run(append([]string{"ip", "netns", "exec", ns}, argv...)...)
 }
 
 // ---- namespace lifecycle ----
 
 func listNamespaces() ([]string, error) {
-	out, err := run("ip", "netns", "list")
+	out, err := Run("ip", "netns", "list")
 	if err != nil {
 		return nil, err
 	}
@@ -152,7 +163,7 @@ func listNamespaces() ([]string, error) {
 
 // namespacePIDs lists the processes living in namespace ns.
 func namespacePIDs(ns string) []int {
-	out, err := run("ip", "netns", "pids", ns)
+	out, err := Run("ip", "netns", "pids", ns)
 	if err != nil {
 		return nil
 	}
@@ -174,6 +185,6 @@ func deleteNamespace(ns string) error {
 	for _, pid := range namespacePIDs(ns) {
 		_ = syscall.Kill(pid, syscall.SIGKILL)
 	}
-	_, err := run("ip", "netns", "del", ns)
+	_, err := Run("ip", "netns", "del", ns)
 	return err
 }

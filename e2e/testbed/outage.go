@@ -285,6 +285,6 @@ func (tb *Testbed) HoldXtablesLock(d time.Duration) (release func(), err error) 
 
 // XtablesLockHeld says whether some process holds the xtables lock now.
 func XtablesLockHeld() bool {
-	_, err := run("flock", "--nonblock", "--shared", xtablesLock, "true")
+	_, err := Run("flock", "--nonblock", "--shared", xtablesLock, "true")
 	return err != nil
 }

@@ -148,8 +148,8 @@ func tailLines(s string, n int) string {
 	return strings.Join(lines, "\n")
 }
 
-// run runs argv to completion and returns its stdout; a failure carries stderr.
-func run(argv ...string) (string, error) {
+// Run runs argv to completion and returns its stdout; a failure carries stderr.
+func Run(argv ...string) (string, error) {
 	cmd := exec.Command(argv[0], argv[1:]...)
 	var stdout, stderr bytes.Buffer
 	cmd.Stdout = &stdout

@@ -137,7 +137,7 @@ func New(ctx context.Context, cfg Config) (_ *Testbed, err error) {
 		return nil, err
 	}
 	echoBin := tb.path("echoserver")
-	if err := goBuild(root, false, echoBin, "./e2e/echoserver"); err != nil {
+	if err := GoBuild(root, false, nil, echoBin, "./e2e/echoserver"); err != nil {
 		return nil, err
 	}
 	start := time.Now()

@@ -64,7 +64,7 @@ func (tb *Testbed) nsName(role string) string { return NamePrefix + tb.ID + "-" 
 // addNamespace creates a namespace, records it for cleanup and sets the
 // sysctls every namespace of the test bed wants.
 func (tb *Testbed) addNamespace(name string) error {
-	if _, err := run("ip", "netns", "add", name); err != nil {
+	if _, err := Run("ip", "netns", "add", name); err != nil {
 		return err
 	}
 	tb.mu.Lock()
@@ -100,7 +100,7 @@ func (tb *Testbed) removeNamespace(name string) error {
 }
 
 func (tb *Testbed) ip(ns string, args ...string) error {
-	_, err := run(append([]string{"ip", "-n", ns}, args...)...)
+	_, err := Run(append([]string{"ip", "-n", ns}, args...)...)
 	return err
 }
 
