@@ -2,6 +2,7 @@ package netfilter
 
 import (
 	"context"
+	"strings"
 
 	"github.com/kpipe/kpipe/bus"
 )
@@ -14,4 +15,14 @@ func TranslateAndWrite(family bus.Family, payload []byte) (write func(ctx contex
 		return nil, err
 	}
 	return func(ctx context.Context) error { return Tool{Family: family}.writeBatches(ctx, sections) }, nil
+}
+
+// SetToolRoot makes every iptables tool run chrooted in root, an image's root
+// filesystem ("" for the host's tools); see toolRoot.
+func SetToolRoot(root string) { toolRoot = root }
+
+// Version is what t's iptables -V prints, e.g. "iptables v1.8.11 (nf_tables)".
+func (t Tool) Version(ctx context.Context) (string, error) {
+	out, err := t.runTool(ctx, t.binary(""), nil, "-V")
+	return strings.TrimSpace(string(out)), err
 }

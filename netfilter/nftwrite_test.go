@@ -79,6 +79,7 @@ func forEachGolden(t *testing.T, test func(t *testing.T, family bus.Family, payl
 			if strings.Contains(filepath.Base(f), "ipv6") {
 				family = bus.IPv6
 			}
+			logIPTablesVersion(t, family)
 			test(t, family, payload)
 		})
 	}

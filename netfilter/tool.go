@@ -8,6 +8,7 @@ import (
 	"os/exec"
 	"slices"
 	"strings"
+	"syscall"
 	"time"
 
 	"github.com/coreos/go-iptables/iptables"
@@ -76,10 +77,33 @@ func (e *toolError) Is(target error) bool {
 	return slices.ContainsFunc(noTableMessages, func(m string) bool { return strings.Contains(e.stderr, m) })
 }
 
+// toolRoot is "" (the host's iptables), or, in tests only (export_test.go), the
+// root filesystem of an image whose iptables every tool runs: chrooted there
+// (the network namespace stays the caller's), and straight through its
+// xtables-nft-multi (xtables-legacy-multi for the -legacy tools), not the
+// image's iptables-wrapper, whose first run would pick a backend.
+var toolRoot string
+
+// toolCommand is the command that runs binary with args: the host's, or the
+// image's under toolRoot.
+func toolCommand(ctx context.Context, binary string, args []string) *exec.Cmd {
+	if toolRoot == "" {
+		return exec.CommandContext(ctx, binary, args...)
+	}
+	multi := "/usr/sbin/xtables-nft-multi"
+	if strings.Contains(binary, "-legacy") {
+		multi = "/usr/sbin/xtables-legacy-multi"
+	}
+	cmd := exec.CommandContext(ctx, multi, append([]string{binary}, args...)...)
+	cmd.SysProcAttr = &syscall.SysProcAttr{Chroot: toolRoot}
+	cmd.Dir = "/" // inside the root: the chroot comes first
+	return cmd
+}
+
 // runTool runs binary with args under ctx, with stdin (when not nil) as its input,
 // and returns what it printed; what it wrote to stderr goes into the error.
 func (t Tool) runTool(ctx context.Context, binary string, stdin []byte, args ...string) ([]byte, error) {
-	cmd := exec.CommandContext(ctx, binary, args...)
+	cmd := toolCommand(ctx, binary, args)
 	cmd.WaitDelay = time.Second // a killed tool cannot hold Wait up through its pipes
 	if stdin != nil {
 		cmd.Stdin = bytes.NewReader(stdin)
@@ -91,7 +115,7 @@ func (t Tool) runTool(ctx context.Context, binary string, stdin []byte, args ...
 	if err == nil {
 		return out, nil
 	}
-	te := &toolError{command: binary + " " + strings.Join(args, " "), status: -1, stderr: strings.TrimSpace(stderr.String()), err: err}
+	te := &toolError{command: strings.Join(cmd.Args, " "), status: -1, stderr: strings.TrimSpace(stderr.String()), err: err}
 	var exit *exec.ExitError
 	if errors.As(err, &exit) && exit.Exited() {
 		te.status = exit.ExitCode()

@@ -8,7 +8,13 @@
 // "[fd00:10:244::11]:40000"). A TCP connection gets that line as soon as it is
 // accepted and is then closed; every UDP datagram is answered with that line.
 //
+// With -http-port, it also answers every HTTP request on that port with 200
+// and the same line as its body (kube probes; HTTP clients).
+//
 // SCTP is not served: the kernel the tests run on has no SCTP sockets.
+//
+// In a Kubernetes pod, give it the pod's IPs from the downward API (env POD_IP
+// from status.podIP; args "-addr", "$(POD_IP)"), which the kubelet expands.
 package main
 
 import (
@@ -16,12 +22,14 @@ import (
 	"fmt"
 	"log/slog"
 	"net"
+	"net/http"
 	"net/netip"
 	"os"
 	"os/signal"
 	"strconv"
 	"strings"
 	"syscall"
+	"time"
 )
 
 type addrList []netip.Addr
@@ -46,6 +54,7 @@ func (a *addrList) Set(s string) error {
 func main() {
 	var addrs addrList
 	port := flag.Int("port", 8080, "port to listen on (TCP and UDP)")
+	httpPort := flag.Int("http-port", 0, "also answer HTTP on this port, with the line as the body (0: no HTTP)")
 	flag.Var(&addrs, "addr", "address to listen on (repeat for several)")
 	flag.Parse()
 	log := slog.New(slog.NewTextHandler(os.Stderr, nil))
@@ -68,6 +77,16 @@ func main() {
 		go serveTCP(log, ip, tl)
 		go serveUDP(log, ip, ul)
 		log.Info("listening", "addr", ap)
+		if *httpPort != 0 {
+			hp := netip.AddrPortFrom(ip, uint16(*httpPort))
+			hl, err := net.ListenTCP("tcp", net.TCPAddrFromAddrPort(hp))
+			if err != nil {
+				log.Error("listen http", "addr", hp, "err", err)
+				os.Exit(1)
+			}
+			go serveHTTP(log, ip, hl)
+			log.Info("listening for http", "addr", hp)
+		}
 	}
 	sig := make(chan os.Signal, 1)
 	signal.Notify(sig, syscall.SIGTERM, syscall.SIGINT)
@@ -103,4 +122,22 @@ func serveUDP(log *slog.Logger, local netip.Addr, c *net.UDPConn) {
 			log.Warn("write udp", "to", remote, "err", err)
 		}
 	}
+}
+
+func serveHTTP(log *slog.Logger, local netip.Addr, l net.Listener) {
+	srv := &http.Server{Handler: answerHTTP(local), ReadHeaderTimeout: 5 * time.Second}
+	log.Error("serve http", "addr", l.Addr(), "err", srv.Serve(l))
+	os.Exit(1)
+}
+
+// answerHTTP answers every request with 200 and the line.
+func answerHTTP(local netip.Addr) http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		remote, err := netip.ParseAddrPort(r.RemoteAddr)
+		if err != nil {
+			http.Error(w, err.Error(), http.StatusInternalServerError)
+			return
+		}
+		_, _ = w.Write(line(local, remote))
+	})
 }
