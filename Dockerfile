@@ -9,26 +9,26 @@
 #   buildah build --build-arg VERSION=v0.1.0 --build-arg GIT_COMMIT=$(git rev-parse HEAD) -t kpipe:v0.1.0 .
 #
 # BASE and GO_IMAGE name the base images, so that a machine without a
-# registry can build on images it imported itself (e.g. a debootstrapped
-# Debian trixie committed as localhost/debian:trixie-slim).
+# registry can build on images it imported itself (e2e/cluster builds on a
+# debootstrapped localhost/debian:bookworm and localhost/golang:1.26).
 #
-# How this was checked: `BUILDAH_ISOLATION=chroot go tool task image
-# BASE=localhost/debian:trixie-slim GO_IMAGE=localhost/golang:1.26` with
-# buildah 1.28 (Debian bookworm's package; crun refuses this host's hybrid
-# cgroups, hence chroot isolation) on local base images: a debootstrap
-# --variant=minbase trixie root filesystem, and the same with Go 1.26 in
-# /usr/local/go (3 min, iptables 1.8.11). Then, chrooted into the image's
-# files in fresh network namespaces: `/usr/local/bin/kube-proxy --version`
-# printed the stamp; with a legacy KUBE-IPTABLES-HINT chain (beside an nft
-# rule) a first `iptables-restore --noflush` wrote its chain with the legacy
-# backend and left the six commands linked to xtables-legacy-multi
-# (`iptables -V`: "(legacy)"), with an nft one "(nf_tables)". Not run here: a
-# kubelet starting it, kpipe serving from it. e2e TestDeployIPTablesWrapper runs the wrapper on the
-# host's iptables; TestDeployImageRunsKubeadmsCommand checks this file
-# against deploy/'s DaemonSet.
+# BASE is Debian bookworm, as upstream kube-proxy's distroless-iptables is:
+# its iptables 1.8.9 encodes rules in the kernel exactly as kpipe's netlink
+# writer does (netfilter's TestNetlinkWriterEqualsRestore, run with this
+# image's binaries by e2e/cluster). iptables 1.8.11 (trixie) lists the same
+# rules but stores them differently (addresses before the protocol, IPv4's
+# protocol as a header read), so kpipe's own digests of what it wrote would
+# not be those of chains that the image's iptables-restore wrote.
+#
+# Checked here: e2e/cluster builds this file with buildah (chroot isolation:
+# crun refuses this host's hybrid cgroups) and runs it under a kubelet in
+# place of kubeadm's kube-proxy (e2e/clustertest). e2e
+# TestDeployIPTablesWrapper runs the wrapper on the host's iptables;
+# TestDeployImageRunsKubeadmsCommand checks this file against deploy/'s
+# DaemonSet.
 
 ARG GO_IMAGE=golang:1.26
-ARG BASE=debian:trixie-slim
+ARG BASE=debian:bookworm-slim
 
 FROM ${GO_IMAGE} AS build
 WORKDIR /src

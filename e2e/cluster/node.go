@@ -184,3 +184,40 @@ func unescapeMount(s string) string {
 	}
 	return b.String()
 }
+
+// hostPaths are the host's paths outside Dir that the node writes to and
+// that cannot be moved: the kubelet's pod logs and device-plugin directory,
+// the CNI plugins' IP allocations and results, containerd's shim sockets,
+// and /lib/modules, which kubeadm's kube-proxy DaemonSet mounts (this VM's
+// kernel has its modules built in and no such directory).
+var hostPaths = []string{"/lib/modules", "/var/log/pods", "/var/log/containers", "/var/lib/kubelet", "/var/lib/cni", "/run/containerd"}
+
+// makeHostPaths creates the host paths that are missing and records them
+// (Dir/made-paths), so that Down removes what the cluster made and nothing
+// that was there before it.
+func makeHostPaths() error {
+	var made []string
+	for _, p := range hostPaths {
+		if _, err := os.Stat(p); os.IsNotExist(err) {
+			if err := os.MkdirAll(p, 0o755); err != nil {
+				return err
+			}
+			made = append(made, p)
+		}
+	}
+	return os.WriteFile(inDir("made-paths"), []byte(strings.Join(made, "\n")), 0o644)
+}
+
+func removeHostPaths() []error {
+	b, err := os.ReadFile(inDir("made-paths"))
+	if err != nil {
+		return nil
+	}
+	var errs []error
+	for _, p := range strings.Fields(string(b)) {
+		if err := os.RemoveAll(p); err != nil {
+			errs = append(errs, err)
+		}
+	}
+	return errs
+}

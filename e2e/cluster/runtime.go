@@ -202,9 +202,7 @@ func Down() []error {
 	errs = append(errs, unmountUnder(Dir())...)
 	errs = append(errs, tearDownNetwork(pods)...)
 	errs = append(errs, removeCgroupRoot()...)
-	if _, err := os.Stat(inDir("made-lib-modules")); err == nil {
-		note(os.Remove("/lib/modules"))
-	}
+	errs = append(errs, removeHostPaths()...)
 	if err := os.RemoveAll(Dir()); err != nil && !errors.Is(err, os.ErrNotExist) {
 		errs = append(errs, err)
 	}

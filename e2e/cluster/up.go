@@ -85,15 +85,8 @@ func (c *Cluster) create(ctx context.Context, logf func(string, ...any)) error {
 	if err := makeCgroupRoot(); err != nil {
 		return err
 	}
-	// kubeadm's kube-proxy DaemonSet mounts the host's /lib/modules; this
-	// VM's kernel has its modules built in and no such directory.
-	if _, err := os.Stat("/lib/modules"); os.IsNotExist(err) {
-		if err := os.MkdirAll("/lib/modules", 0o755); err != nil {
-			return err
-		}
-		if err := os.WriteFile(inDir("made-lib-modules"), nil, 0o644); err != nil {
-			return err
-		}
+	if err := makeHostPaths(); err != nil {
+		return err
 	}
 	if err := writePKI(); err != nil {
 		return fmt.Errorf("certificates: %w", err)
@@ -258,7 +251,11 @@ func (c *Cluster) addons(ctx context.Context, logf func(string, ...any)) error {
 }
 
 // kubeadmConfig is what `kubeadm init --config` would be given for this
-// node: images from the local "registry" prefix the images are built under.
+// node: images from the local "registry" prefix the images are built under,
+// and one kube-proxy setting, as an operator passes it to kubeadm: leave
+// nf_conntrack_max alone (maxPerCore 0), because this node is a network
+// namespace, where that sysctl is read-only (kube-proxy's default exits with
+// "open /proc/sys/net/netfilter/nf_conntrack_max: permission denied").
 func (c *Cluster) kubeadmConfig() string {
 	return fmt.Sprintf(`apiVersion: kubeadm.k8s.io/v1beta4
 kind: InitConfiguration
@@ -279,6 +276,11 @@ networking:
   podSubnet: %[7]s
   serviceSubnet: %[8]s
   dnsDomain: cluster.local
+---
+apiVersion: kubeproxy.config.k8s.io/v1alpha1
+kind: KubeProxyConfiguration
+conntrack:
+  maxPerCore: 0
 `, NodeIP, APIPort, NodeName, containerdSocket(), c.Bins.Version, ClusterName, PodCIDR, ServiceCIDR)
 }
 
