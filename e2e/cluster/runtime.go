@@ -130,7 +130,7 @@ func (c *Cluster) startNode(ctx context.Context, logf func(string, ...any)) erro
 	if _, err := startDaemon("containerd", nil, "containerd", "--config", inDir("containerd", "config.toml")); err != nil {
 		return err
 	}
-	if err := waitFor(ctx, 30*time.Second, "containerd's socket", func() error {
+	if err := WaitFor(ctx, 30*time.Second, "containerd's socket", func() error {
 		conn, err := net.Dial("unix", containerdSocket())
 		if err == nil {
 			conn.Close()
@@ -149,7 +149,7 @@ func (c *Cluster) startNode(ctx context.Context, logf func(string, ...any)) erro
 		"--hostname-override", NodeName, "--node-ip", NodeIP, "--v=1"); err != nil {
 		return err
 	}
-	if err := waitFor(ctx, 2*time.Minute, "node "+NodeName+" Ready", func() error { return c.nodeReady(ctx) }); err != nil {
+	if err := WaitFor(ctx, 2*time.Minute, "node "+NodeName+" Ready", func() error { return c.nodeReady(ctx) }); err != nil {
 		return err
 	}
 	logf("node %s Ready", NodeName)

@@ -45,7 +45,7 @@ func Up(ctx context.Context, logf func(string, ...any)) (*Cluster, error) {
 		return nil, err
 	}
 	c := &Cluster{Kubeconfig: Kubeconfig(), Bins: bins, Images: images}
-	if running() {
+	if Running() {
 		if err := c.connect(); err == nil && c.nodeReady(ctx) == nil {
 			logf("cluster already running (%s)", Dir())
 			return c, c.importImages(ctx)
@@ -64,7 +64,8 @@ func Up(ctx context.Context, logf func(string, ...any)) (*Cluster, error) {
 // daemons in the order they start; Down stops them in reverse.
 var daemons = []string{"etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "containerd", "kubelet"}
 
-func running() bool {
+// Running says whether every daemon of a cluster is alive.
+func Running() bool {
 	for _, d := range daemons {
 		if _, ok := daemonPID(d); !ok {
 			return false
@@ -177,7 +178,7 @@ func (c *Cluster) startControlPlane(ctx context.Context, logf func(string, ...an
 	if err := c.connect(); err != nil {
 		return err
 	}
-	if err := waitFor(ctx, 90*time.Second, "the apiserver ready", func() error {
+	if err := WaitFor(ctx, 90*time.Second, "the apiserver ready", func() error {
 		body, err := c.Client.Discovery().RESTClient().Get().AbsPath("/readyz").DoRaw(ctx)
 		if err != nil {
 			return fmt.Errorf("%v: %s", err, body)
@@ -236,18 +237,40 @@ func (c *Cluster) addons(ctx context.Context, logf func(string, ...any)) error {
 	if err := os.WriteFile(inDir("kubeadm.yaml"), []byte(c.kubeadmConfig()), 0o644); err != nil {
 		return err
 	}
-	for _, addon := range []string{"kube-proxy", "coredns"} {
-		out, err := exec.CommandContext(ctx, c.Bins.Kubeadm, "init", "phase", "addon", addon,
-			"--config", inDir("kubeadm.yaml"), "--kubeconfig", c.Kubeconfig).CombinedOutput()
+	// upload-config first, as kubeadm init does: the kubeadm-config
+	// ConfigMap is where the README's way back to kube-proxy reads the
+	// ClusterConfiguration from.
+	for _, phase := range [][]string{{"upload-config", "kubeadm"}, {"addon", "kube-proxy"}, {"addon", "coredns"}} {
+		out, err := c.Kubeadm(ctx, append(append([]string{"init", "phase"}, phase...), "--config", inDir("kubeadm.yaml"))...)
 		if err != nil {
-			return fmt.Errorf("kubeadm init phase addon %s: %v: %s", addon, err, out)
+			return err
 		}
-		logf("kubeadm: %s", strings.TrimSpace(string(out)))
+		logf("kubeadm: %s", strings.TrimSpace(out))
 	}
 	if err := c.WaitDaemonSet(ctx, "kube-proxy", 3*time.Minute); err != nil {
 		return err
 	}
 	return c.WaitDeployment(ctx, "kube-system", "coredns", 3*time.Minute)
+}
+
+// Kubeadm runs kubeadm with the admin kubeconfig.
+func (c *Cluster) Kubeadm(ctx context.Context, args ...string) (string, error) {
+	out, err := exec.CommandContext(ctx, c.Bins.Kubeadm, append(args, "--kubeconfig", c.Kubeconfig)...).CombinedOutput()
+	if err != nil {
+		return string(out), fmt.Errorf("kubeadm %s: %v: %s", strings.Join(args, " "), err, out)
+	}
+	return string(out), nil
+}
+
+// Kubectl runs kubectl with the admin kubeconfig, stdin given.
+func (c *Cluster) Kubectl(ctx context.Context, stdin string, args ...string) (string, error) {
+	cmd := exec.CommandContext(ctx, c.Bins.Kubectl, append([]string{"--kubeconfig", c.Kubeconfig}, args...)...)
+	cmd.Stdin = strings.NewReader(stdin)
+	out, err := cmd.CombinedOutput()
+	if err != nil {
+		return string(out), fmt.Errorf("kubectl %s: %v: %s", strings.Join(args, " "), err, out)
+	}
+	return string(out), nil
 }
 
 // kubeadmConfig is what `kubeadm init --config` would be given for this
@@ -287,7 +310,7 @@ conntrack:
 // WaitDaemonSet waits until kube-system/name's pods are all updated,
 // available and ready.
 func (c *Cluster) WaitDaemonSet(ctx context.Context, name string, timeout time.Duration) error {
-	return waitFor(ctx, timeout, "DaemonSet "+name+" rolled out", func() error {
+	return WaitFor(ctx, timeout, "DaemonSet "+name+" rolled out", func() error {
 		ds, err := c.Client.AppsV1().DaemonSets("kube-system").Get(ctx, name, metav1.GetOptions{})
 		if err != nil {
 			return err
@@ -308,7 +331,7 @@ func daemonSetRolledOut(ds *appsv1.DaemonSet) error {
 
 // WaitDeployment waits until a Deployment's replicas are all updated and available.
 func (c *Cluster) WaitDeployment(ctx context.Context, ns, name string, timeout time.Duration) error {
-	return waitFor(ctx, timeout, "Deployment "+ns+"/"+name+" rolled out", func() error {
+	return WaitFor(ctx, timeout, "Deployment "+ns+"/"+name+" rolled out", func() error {
 		d, err := c.Client.AppsV1().Deployments(ns).Get(ctx, name, metav1.GetOptions{})
 		if err != nil {
 			return err
@@ -326,9 +349,9 @@ func (c *Cluster) WaitDeployment(ctx context.Context, ns, name string, timeout t
 	})
 }
 
-// waitFor polls check every 250 ms until it returns nil, giving up after
+// WaitFor polls check every 250 ms until it returns nil, giving up after
 // timeout with its last error.
-func waitFor(ctx context.Context, timeout time.Duration, what string, check func() error) error {
+func WaitFor(ctx context.Context, timeout time.Duration, what string, check func() error) error {
 	deadline := time.Now().Add(timeout)
 	for {
 		err := check()

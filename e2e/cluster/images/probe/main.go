@@ -134,6 +134,8 @@ func (t *target) setAttempt() error {
 	switch t.kind {
 	case "tcp":
 		t.attempt = func(ctx context.Context) (string, error) { return tryTCP(ctx, t.address) }
+	case "tls":
+		t.attempt = func(ctx context.Context) (string, error) { return tryTLS(ctx, t.address) }
 	case "http":
 		client := newHTTPClient()
 		t.attempt = func(ctx context.Context) (string, error) { return tryHTTP(ctx, client, t.address) }
@@ -144,7 +146,7 @@ func (t *target) setAttempt() error {
 		network := strings.TrimPrefix(t.kind, "dns-")
 		t.attempt = func(ctx context.Context) (string, error) { return tryDNS(ctx, network, t.address, t.dnsName) }
 	default:
-		return fmt.Errorf("unknown kind %q (tcp, http, dns-udp, dns-tcp)", t.kind)
+		return fmt.Errorf("unknown kind %q (tcp, tls, http, dns-udp, dns-tcp)", t.kind)
 	}
 	return nil
 }
@@ -240,7 +242,7 @@ type Counts struct {
 
 // TargetCounts are one target's counts since the probe started.
 type TargetCounts struct {
-	Kind    string  `json:"kind"`    // tcp, http, dns-udp, dns-tcp
+	Kind    string  `json:"kind"`    // tcp, tls, http, dns-udp, dns-tcp
 	Address string  `json:"address"` // host:port tried
 	Every   string  `json:"every"`   // the beat, e.g. "10ms"
 	Timeout string  `json:"timeout"` // each attempt's bound, e.g. "1s"

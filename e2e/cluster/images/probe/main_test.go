@@ -302,6 +302,35 @@ func dnsAnswer(query []byte) []byte {
 	return answer
 }
 
+// TestTLS: a completed handshake is a success; a server that accepts and
+// never answers the ClientHello is a timeout.
+func TestTLS(t *testing.T) {
+	srv := httptest.NewTLSServer(http.HandlerFunc(func(http.ResponseWriter, *http.Request) {}))
+	defer srv.Close()
+	c := probeUntil(t, "api=tls:"+strings.TrimPrefix(srv.URL, "https://")+",timeout=500ms", atLeast(10))
+	if c.Failed != 0 {
+		t.Errorf("counts %+v: want every handshake to succeed", c)
+	}
+	mute, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer mute.Close()
+	go func() {
+		for {
+			conn, err := mute.Accept()
+			if err != nil {
+				return
+			}
+			defer conn.Close()
+		}
+	}()
+	c = probeUntil(t, "api=tls:"+mute.Addr().String()+",timeout=100ms", atLeast(3))
+	if c.OK != 0 || c.Reasons.Timeout == 0 {
+		t.Errorf("counts %+v: want handshakes with a mute server to time out", c)
+	}
+}
+
 func TestDNS(t *testing.T) {
 	server := dnsServer(t)
 	for _, kind := range []string{"dns-udp", "dns-tcp"} {
