@@ -143,17 +143,30 @@ func (c *Cluster) startNode(ctx context.Context, logf func(string, ...any)) erro
 		return err
 	}
 	logf("containerd up, images imported")
+	if err := c.startKubelet(ctx); err != nil {
+		return err
+	}
+	logf("node %s Ready", NodeName)
+	return nil
+}
+
+func (c *Cluster) startKubelet(ctx context.Context) error {
 	if _, err := startDaemon("kubelet", nil, c.Bins.Kubelet,
 		"--config", inDir("kubelet-config.yaml"), "--kubeconfig", inDir("kubelet.conf"),
 		"--root-dir", inDir("kubelet"), "--cert-dir", inDir("kubelet", "pki"),
 		"--hostname-override", NodeName, "--node-ip", NodeIP, "--v=1"); err != nil {
 		return err
 	}
-	if err := WaitFor(ctx, 2*time.Minute, "node "+NodeName+" Ready", func() error { return c.nodeReady(ctx) }); err != nil {
+	return WaitFor(ctx, 2*time.Minute, "node "+NodeName+" Ready", func() error { return c.nodeReady(ctx) })
+}
+
+// RestartKubelet stops the kubelet (SIGTERM, as systemd does) and starts it
+// again, waiting for the node to be Ready.
+func (c *Cluster) RestartKubelet(ctx context.Context) error {
+	if err := stopDaemon("kubelet", 10*time.Second); err != nil {
 		return err
 	}
-	logf("node %s Ready", NodeName)
-	return nil
+	return c.startKubelet(ctx)
 }
 
 // importImages loads every image built here into containerd's k8s.io
