@@ -33,31 +33,23 @@ var toKpipeSetImage = handover{name: "kubectl set image", do: func(t *testing.T,
 }}
 
 // toKpipeDeploy applies deploy/ with its image set to the one built here,
-// as deploy/README.md says (an overlay's images: is `kustomize edit set
-// image` written down).
+// as deploy/README.md says.
 var toKpipeDeploy = handover{name: "kubectl apply -k deploy/", do: func(t *testing.T, ctx context.Context) {
 	root, err := testbed.RepoRoot()
 	if err != nil {
 		t.Fatal(err)
 	}
-	dir := t.TempDir()
-	base, err := filepath.Rel(dir, filepath.Join(root, "deploy"))
-	if err != nil {
+	if err := c.DeployKpipe(ctx, root); err != nil {
 		t.Fatal(err)
 	}
-	name, tag, _ := strings.Cut(strings.TrimPrefix(c.Images.Kpipe.Ref, "localhost/"), ":")
-	overlay := fmt.Sprintf("resources: [%s]\nimages:\n- name: ghcr.io/kpipe/kpipe\n  newName: localhost/%s\n  newTag: %q\n", base, name, tag)
-	if err := os.WriteFile(filepath.Join(dir, "kustomization.yaml"), []byte(overlay), 0o644); err != nil {
-		t.Fatal(err)
-	}
-	kubectl(t, ctx, "apply", "--server-side", "--force-conflicts", "-k", dir)
 }}
 
 // toKubeProxyUndo is `kubectl rollout undo`, then deploy/README.md's
 // removal of kpipe's role (harmless when it was never applied).
 var toKubeProxyUndo = handover{name: "kubectl rollout undo", do: func(t *testing.T, ctx context.Context) {
-	kubectl(t, ctx, "-n", "kube-system", "rollout", "undo", "daemonset/kube-proxy")
-	dropKpipeRole(t, ctx)
+	if err := c.RollBackToKubeProxy(ctx); err != nil {
+		t.Fatal(err)
+	}
 }}
 
 // toKubeProxyKubeadm is deploy/README.md's way back, command for command:
@@ -73,17 +65,14 @@ var toKubeProxyKubeadm = handover{name: "kubeadm init phase addon kube-proxy", d
 	if _, err := c.Kubeadm(ctx, "init", "phase", "addon", "kube-proxy", "--config", file); err != nil {
 		t.Fatal(err)
 	}
-	dropKpipeRole(t, ctx)
+	if err := c.DropKpipeRole(ctx); err != nil {
+		t.Fatal(err)
+	}
 }}
 
 func init() {
 	toKpipeSetImage.to, toKpipeDeploy.to = "kpipe", "kpipe"
 	toKubeProxyUndo.to, toKubeProxyKubeadm.to = "kube-proxy", "kube-proxy"
-}
-
-func dropKpipeRole(t *testing.T, ctx context.Context) {
-	kubectl(t, ctx, "delete", "clusterrolebinding", "kpipe", "--ignore-not-found")
-	kubectl(t, ctx, "delete", "clusterrole", "kpipe", "--ignore-not-found")
 }
 
 func kubectl(t *testing.T, ctx context.Context, args ...string) string {

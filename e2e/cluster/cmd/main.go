@@ -1,7 +1,13 @@
-// Command cluster brings the single-node test cluster up (`up`: build what
-// is missing, start it, print the kubeconfig path; it stays running) or
-// removes everything it made (`down`). `go tool task cluster` and
-// `go tool task cluster-down` run it.
+// Command cluster runs the single-node test cluster (e2e/cluster):
+//
+//	up          build what is missing, start it with kubeadm's kube-proxy
+//	            serving (or find it running), print how to reach it
+//	kpipe       hand the node to kpipe: deploy/ applied with the image built here
+//	kube-proxy  hand it back: kubectl rollout undo, kpipe's role dropped
+//	down        remove everything the cluster made
+//
+// `go tool task cluster`, `cluster-kpipe`, `cluster-kube-proxy` and
+// `cluster-down` run it.
 package main
 
 import (
@@ -10,30 +16,57 @@ import (
 	"fmt"
 	"os"
 	"os/signal"
+	"path/filepath"
 
 	"github.com/kpipe/kpipe/e2e/cluster"
+	"github.com/kpipe/kpipe/e2e/testbed"
 )
 
 func main() {
-	if len(os.Args) != 2 || (os.Args[1] != "up" && os.Args[1] != "down") {
-		fmt.Fprintln(os.Stderr, "usage: cluster up|down")
-		os.Exit(2)
+	if len(os.Args) != 2 {
+		usage()
 	}
 	logf := func(format string, args ...any) { fmt.Fprintf(os.Stderr, "cluster: "+format+"\n", args...) }
 	if os.Args[1] == "down" {
 		if errs := cluster.Down(); len(errs) > 0 {
-			fmt.Fprintln(os.Stderr, "cluster down:", errors.Join(errs...))
-			os.Exit(1)
+			fail(errors.Join(errs...))
 		}
 		logf("down: nothing of the cluster is left")
 		return
 	}
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt)
 	defer stop()
+	root, err := testbed.RepoRoot()
+	if err != nil {
+		fail(err)
+	}
 	c, err := cluster.Up(ctx, logf)
 	if err != nil {
-		fmt.Fprintln(os.Stderr, "cluster up:", err)
-		os.Exit(1)
+		fail(err)
 	}
-	fmt.Printf("export KUBECONFIG=%s\n", c.Kubeconfig)
+	switch os.Args[1] {
+	case "up":
+	case "kpipe":
+		err = c.DeployKpipe(ctx, root)
+	case "kube-proxy":
+		err = c.RollBackToKubeProxy(ctx)
+	default:
+		usage()
+	}
+	if err != nil {
+		fail(err)
+	}
+	out, _ := c.Kubectl(ctx, "", "-n", "kube-system", "get", "daemonset", "kube-proxy", "-o", "jsonpath={.spec.template.spec.containers[0].image}")
+	logf("the node's proxy: %s", out)
+	fmt.Printf("export KUBECONFIG=%s\nexport PATH=%s:$PATH  # kubectl and kubeadm %s\n", c.Kubeconfig, filepath.Dir(c.Bins.Kubectl), c.Bins.Version)
+}
+
+func usage() {
+	fmt.Fprintln(os.Stderr, "usage: cluster up|kpipe|kube-proxy|down")
+	os.Exit(2)
+}
+
+func fail(err error) {
+	fmt.Fprintln(os.Stderr, "cluster:", err)
+	os.Exit(1)
 }

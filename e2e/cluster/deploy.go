@@ -1,0 +1,57 @@
+package cluster
+
+import (
+	"context"
+	"fmt"
+	"os"
+	"path/filepath"
+	"strings"
+	"time"
+)
+
+// DeployKpipe does what deploy/README.md tells an operator: apply deploy/
+// with its image set to the kpipe image built here (an overlay's images:,
+// which is `kustomize edit set image` written down), and wait until the
+// kube-proxy DaemonSet has rolled out.
+func (c *Cluster) DeployKpipe(ctx context.Context, root string) error {
+	dir, err := os.MkdirTemp("", "kpc-deploy-")
+	if err != nil {
+		return err
+	}
+	defer os.RemoveAll(dir)
+	base, err := filepath.Rel(dir, filepath.Join(root, "deploy"))
+	if err != nil {
+		return err
+	}
+	name, tag, _ := strings.Cut(strings.TrimPrefix(c.Images.Kpipe.Ref, "localhost/"), ":")
+	overlay := fmt.Sprintf("resources: [%s]\nimages:\n- name: ghcr.io/kpipe/kpipe\n  newName: localhost/%s\n  newTag: %q\n", base, name, tag)
+	if err := os.WriteFile(filepath.Join(dir, "kustomization.yaml"), []byte(overlay), 0o644); err != nil {
+		return err
+	}
+	if _, err := c.Kubectl(ctx, "", "apply", "--server-side", "--force-conflicts", "-k", dir); err != nil {
+		return err
+	}
+	return c.WaitDaemonSet(ctx, "kube-proxy", 3*time.Minute)
+}
+
+// RollBackToKubeProxy is deploy/README.md's short way back: `kubectl
+// rollout undo` of the DaemonSet, then kpipe's role dropped.
+func (c *Cluster) RollBackToKubeProxy(ctx context.Context) error {
+	if _, err := c.Kubectl(ctx, "", "-n", "kube-system", "rollout", "undo", "daemonset/kube-proxy"); err != nil {
+		return err
+	}
+	if err := c.DropKpipeRole(ctx); err != nil {
+		return err
+	}
+	return c.WaitDaemonSet(ctx, "kube-proxy", 3*time.Minute)
+}
+
+// DropKpipeRole deletes deploy/'s ClusterRole and binding, if there.
+func (c *Cluster) DropKpipeRole(ctx context.Context) error {
+	for _, kind := range []string{"clusterrolebinding", "clusterrole"} {
+		if _, err := c.Kubectl(ctx, "", "delete", kind, "kpipe", "--ignore-not-found"); err != nil {
+			return err
+		}
+	}
+	return nil
+}
