@@ -441,6 +441,12 @@ disabled_plugins = ["io.containerd.grpc.v1.cri"]
 		}
 		logf.Close()
 		removeRootfs(dir) // unmounts what containerd left mounted under it
+		// `ctr run` puts a task's cgroup under /k8s.io (the namespace) in
+		// every hierarchy; runc removes the task's own, not that parent.
+		parents, _ := filepath.Glob("/sys/fs/cgroup/*/k8s.io")
+		for _, p := range parents {
+			_ = syscall.Rmdir(p) // fails, harmlessly, while not empty
+		}
 	})
 	if err := testbed.Poll(30*time.Second, 200*time.Millisecond, func() error {
 		_, err := exec.Command("ctr", c.args("version")...).CombinedOutput()
