@@ -90,11 +90,11 @@ func toolCommand(ctx context.Context, binary string, args []string) *exec.Cmd {
 	if toolRoot == "" {
 		return exec.CommandContext(ctx, binary, args...)
 	}
-	multi := "/usr/sbin/xtables-nft-multi"
+	argv := append([]string{binary}, args...)
+	cmd := exec.CommandContext(ctx, "/usr/sbin/xtables-nft-multi", argv...)
 	if strings.Contains(binary, "-legacy") {
-		multi = "/usr/sbin/xtables-legacy-multi"
+		cmd = exec.CommandContext(ctx, "/usr/sbin/xtables-legacy-multi", argv...)
 	}
-	cmd := exec.CommandContext(ctx, multi, append([]string{binary}, args...)...)
 	cmd.SysProcAttr = &syscall.SysProcAttr{Chroot: toolRoot}
 	cmd.Dir = "/" // inside the root: the chroot comes first
 	return cmd
