@@ -28,6 +28,8 @@ func TestNodeEvents(t *testing.T) {
 	fullOnly(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Minute)
 	defer cancel()
+	handOver(t, ctx, handover{name: "start from kube-proxy", to: "kube-proxy", do: func(*testing.T, context.Context) {}})
+	customiseProxyConfig(t, ctx) // /metrics on the node's address, where the reload count is read
 	handOver(t, ctx, toKpipeSetImage)
 	defer handOver(t, context.Background(), toKubeProxyUndo)
 	e := deployEcho(t, ctx, "node-echo", 2)
