@@ -423,6 +423,10 @@ disabled_plugins = ["io.containerd.grpc.v1.cri"]
 	if err != nil {
 		t.Fatal(err)
 	}
+	// containerd 1.6 puts its shims' sockets under /run/containerd/s whatever
+	// its config says: remove that directory afterwards if this test made it.
+	_, err = os.Stat("/run/containerd")
+	madeRun := os.IsNotExist(err)
 	cmd := exec.Command("containerd", "--config", filepath.Join(dir, "config.toml"))
 	cmd.Stdout, cmd.Stderr = logf, logf
 	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
@@ -446,6 +450,9 @@ disabled_plugins = ["io.containerd.grpc.v1.cri"]
 		parents, _ := filepath.Glob("/sys/fs/cgroup/*/k8s.io")
 		for _, p := range parents {
 			_ = syscall.Rmdir(p) // fails, harmlessly, while not empty
+		}
+		if madeRun {
+			_ = os.RemoveAll("/run/containerd")
 		}
 	})
 	if err := testbed.Poll(30*time.Second, 200*time.Millisecond, func() error {
