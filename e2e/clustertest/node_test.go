@@ -28,17 +28,13 @@ func TestNodeEvents(t *testing.T) {
 	fullOnly(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Minute)
 	defer cancel()
-	handOver(t, ctx, handover{name: "start from kube-proxy", to: "kube-proxy", do: func(*testing.T, context.Context) {}})
+	handOver(t, ctx, onKubeProxy)
 	customiseProxyConfig(t, ctx) // /metrics on the node's address, where the reload count is read
 	handOver(t, ctx, toKpipeSetImage)
 	defer handOver(t, context.Background(), toKubeProxyUndo)
 	e := deployEcho(t, ctx, "node-echo", 2)
-	defer deleteWorkload(context.Background(), "deployment", e.name)
-	defer deleteWorkload(context.Background(), "service", e.name)
-	defer deleteWorkload(context.Background(), "service", e.name+"-np")
 	waitServed(t, ctx, e)
 	probeIP := startProbe(t, ctx, "node-client", trafficTargets(e, "10ms")...)
-	defer deleteWorkload(context.Background(), "pod", "node-client")
 	time.Sleep(2 * time.Second)
 
 	t.Run("kubelet restart", func(t *testing.T) {

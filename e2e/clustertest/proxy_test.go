@@ -70,6 +70,10 @@ var toKubeProxyKubeadm = handover{name: "kubeadm init phase addon kube-proxy", d
 	}
 }}
 
+// onKubeProxy hands nothing over: it checks that kubeadm's kube-proxy
+// serves the node, as a test that starts from it expects.
+var onKubeProxy = handover{name: "start from kubeadm's kube-proxy", to: "kube-proxy", do: func(*testing.T, context.Context) {}}
+
 func init() {
 	toKpipeSetImage.to, toKpipeDeploy.to = "kpipe", "kpipe"
 	toKubeProxyUndo.to, toKubeProxyKubeadm.to = "kube-proxy", "kube-proxy"

@@ -1,6 +1,7 @@
 package clustertest
 
 import (
+	"cmp"
 	"context"
 	"fmt"
 	"os/exec"
@@ -34,14 +35,10 @@ func TestRollingUpdates(t *testing.T) {
 	fullOnly(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Minute)
 	defer cancel()
-	handOver(t, ctx, handover{name: "start from kube-proxy", to: "kube-proxy", do: func(*testing.T, context.Context) {}})
+	handOver(t, ctx, onKubeProxy)
 	e := deployEcho(t, ctx, "roll-echo", 4)
-	defer deleteWorkload(context.Background(), "deployment", e.name)
-	defer deleteWorkload(context.Background(), "service", e.name)
-	defer deleteWorkload(context.Background(), "service", e.name+"-np")
 	waitServed(t, ctx, e)
 	probeIP := startProbe(t, ctx, "roll-client", fmt.Sprintf("clusterip=tcp:%s:80,every=5ms,timeout=1s,inflight=64", e.clusterIP))
-	defer deleteWorkload(context.Background(), "pod", "roll-client")
 
 	results := map[string]rollResult{}
 	for _, h := range []handover{{name: "kube-proxy", to: "kube-proxy"}, toKpipeSetImage} {
@@ -59,13 +56,13 @@ func TestRollingUpdates(t *testing.T) {
 	for _, name := range []string{"kube-proxy", "kpipe"} {
 		r := results[name]
 		t.Logf("  %-10s failed requests per restart %v (median %d of ~%d each); pod deletion -> endpoint out of the rules: median %v, max %v over %d pods",
-			name, r.failed, median(r.failed), r.attempts/3, medianDuration(r.removal).Round(time.Millisecond), slices.Max(r.removal).Round(time.Millisecond), len(r.removal))
+			name, r.failed, median(r.failed), r.attempts/3, median(r.removal).Round(time.Millisecond), slices.Max(r.removal).Round(time.Millisecond), len(r.removal))
 	}
 	if median(kpipe.failed) > median(kp.failed) {
 		t.Errorf("kpipe lost more requests per restart (median %d) than kube-proxy (%d)", median(kpipe.failed), median(kp.failed))
 	}
-	if medianDuration(kpipe.removal) > medianDuration(kp.removal) {
-		t.Errorf("kpipe removed endpoints more slowly (median %v) than kube-proxy (%v)", medianDuration(kpipe.removal), medianDuration(kp.removal))
+	if median(kpipe.removal) > median(kp.removal) {
+		t.Errorf("kpipe removed endpoints more slowly (median %v) than kube-proxy (%v)", median(kpipe.removal), median(kp.removal))
 	}
 }
 
@@ -229,15 +226,12 @@ func natRules(ctx context.Context) (string, error) {
 	return string(out), nil
 }
 
-func median(xs []uint64) uint64 {
-	s := slices.Clone(xs)
-	slices.Sort(s)
-	return s[len(s)/2]
-}
-
-func medianDuration(xs []time.Duration) time.Duration {
+// median is the middle value of xs (the upper one of an even count; zero
+// for none).
+func median[T cmp.Ordered](xs []T) T {
+	var zero T
 	if len(xs) == 0 {
-		return 0
+		return zero
 	}
 	s := slices.Clone(xs)
 	slices.Sort(s)

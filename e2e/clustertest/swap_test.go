@@ -28,15 +28,11 @@ func TestSwapAndRollback(t *testing.T) {
 	if _, err := c.Kubectl(ctx, "", "-n", "kube-system", "get", "ds", "kube-proxy"); err != nil {
 		t.Fatal(err)
 	}
-	handOver(t, ctx, handover{name: "start from kubeadm's kube-proxy", to: "kube-proxy", do: func(*testing.T, context.Context) {}})
+	handOver(t, ctx, onKubeProxy)
 	customiseProxyConfig(t, ctx)
 	e := deployEcho(t, ctx, "swap-echo", 2)
-	defer deleteWorkload(context.Background(), "deployment", e.name)
-	defer deleteWorkload(context.Background(), "service", e.name)
-	defer deleteWorkload(context.Background(), "service", e.name+"-np")
 	waitServed(t, ctx, e)
 	probeIP := startProbe(t, ctx, "swap-client", trafficTargets(e, "10ms")...)
-	defer deleteWorkload(context.Background(), "pod", "swap-client")
 	time.Sleep(3 * time.Second)
 	before := countsNow(t, ctx, probeIP)
 	requireNoFailures(t, "kube-proxy before any swap", map[string]targetCounts{}, before)
@@ -111,7 +107,6 @@ func requireFreshPodServed(t *testing.T, ctx context.Context, e echo, name strin
 		}
 	}
 	ip := startProbe(t, ctx, name, fresh...)
-	defer deleteWorkload(context.Background(), "pod", name)
 	time.Sleep(2 * time.Second)
 	requireNoFailures(t, "a new pod under kpipe, from its first attempt", map[string]targetCounts{}, countsNow(t, ctx, ip))
 }

@@ -33,7 +33,8 @@ type echo struct {
 	nodePort  int32
 }
 
-// deployEcho starts name with replicas pods and waits until they serve.
+// deployEcho starts name with replicas pods and waits until they serve;
+// they are deleted when the test ends.
 func deployEcho(t *testing.T, ctx context.Context, name string, replicas int) echo {
 	t.Helper()
 	apply(t, ctx, fmt.Sprintf(`apiVersion: apps/v1
@@ -72,6 +73,9 @@ spec:
   selector: {app: %[1]s}
   ports: [{name: tcp, port: 80, targetPort: 8080}]
 `, name, replicas, c.Images.Tools.Ref))
+	for _, obj := range [][2]string{{"deployment", name}, {"service", name}, {"service", name + "-np"}} {
+		t.Cleanup(func() { deleteWorkload(context.Background(), obj[0], obj[1]) })
+	}
 	if err := c.WaitDeployment(ctx, "default", name, 2*time.Minute); err != nil {
 		t.Fatal(err)
 	}
@@ -120,8 +124,8 @@ func trafficTargets(e echo, every string) []string {
 }
 
 // startProbe runs the probe client in a pod with targets (see
-// e2e/cluster/images/probe) and returns its pod IP, where the host reads
-// its counts.
+// e2e/cluster/images/probe), deleted when the test ends, and returns its pod
+// IP, where the host reads its counts.
 func startProbe(t *testing.T, ctx context.Context, name string, targets ...string) string {
 	t.Helper()
 	var args strings.Builder
@@ -141,6 +145,7 @@ spec:
       httpGet: {path: /healthz, port: 8080}
       periodSeconds: 1
 `, name, c.Images.Tools.Ref, args.String()))
+	t.Cleanup(func() { deleteWorkload(context.Background(), "pod", name) })
 	var ip string
 	err := cluster.WaitFor(ctx, 2*time.Minute, "pod "+name+" ready", func() error {
 		p, err := c.Client.CoreV1().Pods("default").Get(ctx, name, metav1.GetOptions{})
