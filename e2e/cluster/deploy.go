@@ -46,6 +46,36 @@ func (c *Cluster) RollBackToKubeProxy(ctx context.Context) error {
 	return c.WaitDaemonSet(ctx, "kube-proxy", 3*time.Minute)
 }
 
+// BackToKubeProxy hands the node back to kubeadm's kube-proxy however often
+// kpipe was deployed since (where `rollout undo` would go back to the kpipe
+// before): the DaemonSet rolled back to its newest revision that runs
+// upstream kube-proxy's image, then kpipe's role dropped.
+func (c *Cluster) BackToKubeProxy(ctx context.Context) error {
+	out, err := c.Kubectl(ctx, "", "-n", "kube-system", "get", "controllerrevisions", "-l", "k8s-app=kube-proxy", "-o",
+		`jsonpath={range .items[*]}{.revision} {.data.spec.template.spec.containers[0].image}{"\n"}{end}`)
+	if err != nil {
+		return err
+	}
+	newest := int64(0)
+	for _, line := range strings.Split(strings.TrimSpace(out), "\n") {
+		var rev int64
+		var image string
+		if _, err := fmt.Sscan(line, &rev, &image); err == nil && image == c.Images.KubeProxy.Ref && rev > newest {
+			newest = rev
+		}
+	}
+	if newest == 0 {
+		return fmt.Errorf("no revision of the kube-proxy DaemonSet runs %s:\n%s", c.Images.KubeProxy.Ref, out)
+	}
+	if _, err := c.Kubectl(ctx, "", "-n", "kube-system", "rollout", "undo", "daemonset/kube-proxy", fmt.Sprintf("--to-revision=%d", newest)); err != nil {
+		return err
+	}
+	if err := c.DropKpipeRole(ctx); err != nil {
+		return err
+	}
+	return c.WaitDaemonSet(ctx, "kube-proxy", 3*time.Minute)
+}
+
 // DropKpipeRole deletes deploy/'s ClusterRole and binding, if there.
 func (c *Cluster) DropKpipeRole(ctx context.Context) error {
 	for _, kind := range []string{"clusterrolebinding", "clusterrole"} {

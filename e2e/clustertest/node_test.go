@@ -37,15 +37,23 @@ func TestNodeEvents(t *testing.T) {
 	probeIP := startProbe(t, ctx, "node-client", trafficTargets(e, "10ms")...)
 	time.Sleep(2 * time.Second)
 
+	// Each restart flaps the echo pods' readiness (kubernetes#100277), both
+	// not ready at once for some 20-40 ms in 6 of 24 restarts measured:
+	// kubeletRestarts of them make such a flap likely (~97%). Before kpipe
+	// let such flaps settle (stages/coalesce/outage.go), 5 of 24 restarts
+	// lost about a second of connections. e2e/readiness_flap_test.go plays
+	// the flap itself, every time.
 	t.Run("kubelet restart", func(t *testing.T) {
 		before, pod := countsNow(t, ctx, probeIP), proxyPod(t, ctx)
-		if err := c.RestartKubelet(ctx); err != nil {
-			t.Fatal(err)
+		for range kubeletRestarts {
+			if err := c.RestartKubelet(ctx); err != nil {
+				t.Fatal(err)
+			}
+			time.Sleep(5 * time.Second) // the kubelet resyncs its pods
 		}
-		time.Sleep(5 * time.Second) // the kubelet resyncs its pods
 		requireSameContainer(t, ctx, pod)
-		programsAChange(t, ctx, e, "kpipe after a kubelet restart")
-		requireNoFailures(t, "kubelet restart", before, countsNow(t, ctx, probeIP))
+		programsAChange(t, ctx, e, "kpipe after kubelet restarts")
+		requireNoFailures(t, fmt.Sprintf("%d kubelet restarts", kubeletRestarts), before, countsNow(t, ctx, probeIP))
 	})
 
 	t.Run("pod deleted and recreated", func(t *testing.T) {
@@ -92,6 +100,9 @@ func TestNodeEvents(t *testing.T) {
 		requireNoFailures(t, "config change", before, countsNow(t, ctx, probeIP))
 	})
 }
+
+// kubeletRestarts is how many times TestNodeEvents restarts the kubelet.
+const kubeletRestarts = 12
 
 func proxyPod(t *testing.T, ctx context.Context) corev1.Pod {
 	t.Helper()

@@ -58,6 +58,9 @@ type Stage struct {
 	log      *slog.Logger
 	now      func() time.Time
 	started  time.Time // trigger times before this are from before kpipe watched
+	// settle is how long a snapshot that takes a service's last endpoints
+	// away waits for the change to be undone (outage.go).
+	settle time.Duration
 	// retry spaces the retries of a family whose commits fail: from the min sync
 	// period (at least 100 ms) doubling up to the sync period.
 	retry supervise.Backoff
@@ -77,7 +80,7 @@ func NewStage(p Params) *Stage {
 		cfg.FullSyncPeriod = time.Hour
 	}
 	retry := supervise.Backoff{Initial: max(cfg.MinSyncPeriod, 100*time.Millisecond), Max: max(cfg.SyncPeriod, 100*time.Millisecond), Factor: 2, Jitter: -1}
-	return &Stage{cfg: cfg, retry: retry, in: p.In, replay: p.Replay, families: p.Families, status: p.Env.Status, metrics: p.Env.Metrics,
+	return &Stage{cfg: cfg, retry: retry, settle: min(maxSettle, cfg.MinSyncPeriod), in: p.In, replay: p.Replay, families: p.Families, status: p.Env.Status, metrics: p.Env.Metrics,
 		log: p.Env.Log, now: time.Now}
 }
 
@@ -127,6 +130,7 @@ type familyState struct {
 	retryAt                 time.Time
 	lastFull                time.Time
 	limiter                 *limiter
+	outages                 outages // services losing or gaining all their endpoints (outage.go)
 }
 
 // wantFull asks for a full sync in a snapshot not sent yet.
@@ -155,7 +159,7 @@ func (s *Stage) Run(ctx context.Context) error {
 		// no rewrite; a new process's first commit is a full one anyway). The
 		// hourly full sync counts from now.
 		fams[i] = &familyState{Family: f, status: s.status.Of(f.Family), pending: map[bus.ServiceKey]pendingChange{}, lastFull: s.now(),
-			limiter: newLimiter(s.cfg.MinSyncPeriod, s.cfg.Burst, s.now())}
+			limiter: newLimiter(s.cfg.MinSyncPeriod, s.cfg.Burst, s.now()), outages: newOutages()}
 	}
 	s.replay.Raise()
 	periodic := time.NewTicker(s.cfg.SyncPeriod)
@@ -204,7 +208,7 @@ func (s *Stage) Run(ctx context.Context) error {
 		case timerCase:
 			now := s.now()
 			for _, f := range fams {
-				if synced && f.due(now) && f.limiter.take(now) {
+				if synced && f.due(now) && s.mayGo(f, now) {
 					s.gen++
 					s.send(f, &st, s.gen, s.seq, now)
 				}
@@ -248,15 +252,45 @@ func (s *Stage) nextRun(synced bool, fams []*familyState, now time.Time) (time.T
 		if f.inflight != 0 || !(f.dirty || f.full || f.refresh) {
 			continue
 		}
-		at := f.limiter.next(now)
-		if f.retryAt.After(at) {
-			at = f.retryAt
-		}
+		at := s.goesAt(f, now)
 		if !found || at.Before(best) {
 			best, found = at, true
 		}
 	}
 	return best, found
+}
+
+// goesAt is when f's next snapshot may go, from now on: after the retry
+// backoff, a loss has settled, and a token (or a bypass) is there.
+func (s *Stage) goesAt(f *familyState, now time.Time) time.Time {
+	at := now
+	if !f.outages.mayBypass() {
+		at = f.limiter.next(now)
+	}
+	if settled, ok := f.outages.settledAt(s.settle); ok && settled.After(at) {
+		at = settled
+	}
+	if f.retryAt.After(at) {
+		at = f.retryAt
+	}
+	return at
+}
+
+// mayGo says whether f's next snapshot may go now, and if so spends what it
+// takes: a token, or else the bypass of a snapshot that ends an outage.
+func (s *Stage) mayGo(f *familyState, now time.Time) bool {
+	if settled, ok := f.outages.settledAt(s.settle); ok && now.Before(settled) {
+		return false
+	}
+	switch {
+	case f.limiter.take(now):
+		f.outages.bypassed = false
+	case f.outages.mayBypass():
+		f.outages.bypassed = true
+	default:
+		return false
+	}
+	return true
 }
 
 // take applies everything watch queued: the replay first, then the latest change
@@ -320,6 +354,7 @@ func (s *Stage) apply(st *bus.State, synced *bool, c bus.Change, seq uint64, all
 			st.Services[c.Key] = c.Service
 		}
 		mark(c.Key)
+		noteOutage(st, c.Key, fams, now)
 	case bus.SliceChanged:
 		// Copy on write: snapshots already sent share the old inner map.
 		inner := maps.Clone(st.Slices[c.Key])
@@ -337,6 +372,7 @@ func (s *Stage) apply(st *bus.State, synced *bool, c bus.Change, seq uint64, all
 			st.Slices[c.Key] = inner
 		}
 		mark(c.Key)
+		noteOutage(st, c.Key, fams, now)
 	case bus.NodeChanged:
 		st.Node = c.Node
 		mark(bus.ServiceKey{})
@@ -347,12 +383,15 @@ func (s *Stage) apply(st *bus.State, synced *bool, c bus.Change, seq uint64, all
 		// Every service the replay may change is pending until a commit carries it,
 		// as kube-proxy queues an update for each object its informers add: a first
 		// commit that keeps failing must show in /healthz.
+		keys := map[bus.ServiceKey]bool{}
 		for _, state := range []bus.State{*st, *c.Replay} {
 			for k := range state.Services {
 				mark(k)
+				keys[k] = true
 			}
 			for k := range state.Slices {
 				mark(k)
+				keys[k] = true
 			}
 		}
 		*st = *c.Replay
@@ -364,12 +403,24 @@ func (s *Stage) apply(st *bus.State, synced *bool, c bus.Change, seq uint64, all
 		}
 		*synced = true
 		mark(bus.ServiceKey{})
+		for k := range keys {
+			noteOutage(st, k, fams, now)
+		}
 		s.log.Info("state replayed from watch", "services", len(st.Services))
 	}
 	for _, f := range fams {
 		s.metrics.LastQueued.WithLabelValues(f.Family.Family.String()).SetToCurrentTime()
 	}
 	s.publish(fams, now)
+}
+
+// noteOutage records, for each family in fams, whether key, as st has it,
+// loses or gains all its endpoints. (A Node change is not looked at: its
+// name, what reach depends on, never changes.)
+func noteOutage(st *bus.State, key bus.ServiceKey, fams []*familyState, now time.Time) {
+	for _, f := range fams {
+		f.outages.note(st, key, f.Family.Family, now)
+	}
 }
 
 // touched returns the families whose rules change c, applied to st (which
@@ -483,6 +534,7 @@ func (s *Stage) send(f *familyState, st *bus.State, gen, seq uint64, now time.Ti
 		Changed: changed, Full: f.full, Refresh: f.refresh, QueuedAt: queued,
 	}
 	f.inflight, f.sentSeq, f.dirty = gen, seq, false
+	f.outages.sentAll()
 	f.Out.Put(snap)
 }
 

@@ -3,7 +3,8 @@
 //	up          build what is missing, start it with kubeadm's kube-proxy
 //	            serving (or find it running), print how to reach it
 //	kpipe       hand the node to kpipe: deploy/ applied with the image built here
-//	kube-proxy  hand it back: kubectl rollout undo, kpipe's role dropped
+//	kube-proxy  hand it back: the DaemonSet rolled back to its newest revision
+//	            with kube-proxy's image, kpipe's role dropped
 //	down        remove everything the cluster made
 //
 // `go tool task cluster`, `cluster-kpipe`, `cluster-kube-proxy` and
@@ -49,7 +50,7 @@ func main() {
 	case "kpipe":
 		err = c.DeployKpipe(ctx, root)
 	case "kube-proxy":
-		err = c.RollBackToKubeProxy(ctx)
+		err = c.BackToKubeProxy(ctx)
 	default:
 		usage()
 	}
