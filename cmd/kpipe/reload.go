@@ -3,6 +3,7 @@ package main
 import (
 	"bytes"
 	"context"
+	"errors"
 	"fmt"
 	"io"
 	"log/slog"
@@ -19,6 +20,7 @@ import (
 	"github.com/kpipe/kpipe/bus"
 	"github.com/kpipe/kpipe/metrics"
 	"github.com/kpipe/kpipe/stages/events"
+	"github.com/kpipe/kpipe/stages/health"
 	"github.com/kpipe/kpipe/supervise"
 )
 
@@ -117,7 +119,7 @@ func runReloading(ctx context.Context, o *Options, d deps, changed <-chan struct
 	pending := newPendingWork() // outlives the trees: a reload carries their work over
 	for {
 		d.log.Info("kpipe starting", "node", o.HostnameOverride, "families", fmt.Sprint(d.families()), "mode", "iptables")
-		d.board, d.pending = bus.NewBoard(), pending
+		d.board, d.pending, d.fatal = bus.NewBoard(), pending, make(chan error, 1)
 		treeCtx, stopTree := context.WithCancel(ctx)
 		if d.afterSync != nil && !afterSyncDone.Load() {
 			go func(board *bus.Board, families []bus.Family, afterSync func(context.Context, *slog.Logger), log *slog.Logger) {
@@ -131,7 +133,7 @@ func runReloading(ctx context.Context, o *Options, d deps, changed <-chan struct
 		stopTree()
 		d.broadcaster.Shutdown() // the stopped tree's events
 		if err != nil {
-			d.log.Error("kpipe stopping: a stage kept failing", "err", err)
+			d.log.Error("kpipe stopping", "err", err)
 			return err
 		}
 		if next == nil {
@@ -142,9 +144,9 @@ func runReloading(ctx context.Context, o *Options, d deps, changed <-chan struct
 	}
 }
 
-// runUntilReload runs root until ctx ends or root gives up (the error), or until
-// the config file changes into options that differ from o and whose deps can
-// be made: then it stops root and returns them.
+// runUntilReload runs root until ctx ends, root gives up or a stage sends
+// d.fatal (the error), or until the config file changes into options that
+// differ from o and whose deps can be made: then it stops root and returns them.
 func runUntilReload(ctx context.Context, root *supervise.Supervisor, o *Options, d deps, changed <-chan struct{},
 	reconfigure func(*Options, deps) (deps, error)) (*Options, deps, error) {
 	treeCtx, stop := context.WithCancel(ctx)
@@ -155,6 +157,9 @@ func runUntilReload(ctx context.Context, root *supervise.Supervisor, o *Options,
 	for {
 		select {
 		case err := <-done:
+			return nil, deps{}, err
+		case err := <-d.fatal:
+			d.recordFatal(o.HostnameOverride, err)
 			return nil, deps{}, err
 		case <-changed:
 			n, err := o.reread()
@@ -177,6 +182,32 @@ func runUntilReload(ctx context.Context, root *supervise.Supervisor, o *Options,
 			}
 			return n, nd, nil
 		}
+	}
+}
+
+// eventWriteTimeout bounds how long a stopping kpipe waits for its last event
+// to reach the apiserver.
+const eventWriteTimeout = 5 * time.Second
+
+// recordFatal records kube-proxy's Warning on the Node for err, a port
+// bindAddressHardFail requires (health.BindError), and waits for it to be
+// written, as kpipe exits next. Starting is written first: kube-proxy records it
+// before this Warning, and the events stage sends only once it has started.
+func (d deps) recordFatal(node string, err error) {
+	var bindErr *health.BindError
+	if !errors.As(err, &bindErr) {
+		return
+	}
+	reason := events.ReasonHealthzFailed
+	if bindErr.Metrics {
+		reason = events.ReasonMetricsFailed
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), eventWriteTimeout)
+	defer cancel()
+	d.written.Wait(ctx, events.ReasonStarting)
+	events.RecordServerFailure(d.recorder, node, reason, err)
+	if !d.written.Wait(ctx, reason) {
+		d.log.Warn("the event could not be written before stopping", "reason", reason, "timeout", eventWriteTimeout)
 	}
 }
 

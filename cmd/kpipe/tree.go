@@ -32,8 +32,12 @@ type deps struct {
 	// client, once the events stage starts it.
 	broadcaster k8sevents.EventBroadcaster
 	recorder    k8sevents.EventRecorder
-	kernels     map[bus.Family]commit.Kernel   // one per family kpipe programs
-	canaries    map[bus.Family]canary.Canaries // nil: iptables
+	written     *events.Written // what broadcaster has written
+	// fatal receives an error that stops kpipe at once (a port bindAddressHardFail
+	// requires); runReloading makes one per tree, nil: the stage returns it.
+	fatal    chan error
+	kernels  map[bus.Family]commit.Kernel   // one per family kpipe programs
+	canaries map[bus.Family]canary.Canaries // nil: iptables
 	// conntrack opens the conntrack connection; nil: netlink.
 	conntrack func() (conntrack.Clearer, error)
 	host      hostFacts
@@ -54,7 +58,20 @@ type deps struct {
 // connect makes d use client, with an event recorder of its own.
 func (d *deps) connect(client kubernetes.Interface) {
 	d.client = client
-	d.broadcaster, d.recorder = events.NewRecorder(client)
+	d.broadcaster, d.recorder, d.written = events.NewRecorder(client)
+}
+
+// stopFatal is sent an error that must stop kpipe at once; nil without d.fatal.
+func (d deps) stopFatal() func(error) {
+	if d.fatal == nil {
+		return nil
+	}
+	return func(err error) {
+		select {
+		case d.fatal <- err:
+		default: // one is enough to stop
+		}
+	}
 }
 
 // reloadReporter reports the config file's changes while a tree built from o runs.
@@ -147,7 +164,8 @@ func buildTree(o *Options, d deps) *supervise.Supervisor {
 		HealthzAddr: o.HealthzBindAddress, MetricsAddr: o.MetricsBindAddress, BindHardFail: o.BindAddressHardFail,
 		Profiling: o.EnableProfiling, DebugAddr: o.debugAddr(),
 		SyncPeriod: o.SyncPeriod, NodeName: o.HostnameOverride, Families: d.families(), Configz: o.configz(), SideStages: r.sideStages(),
-	}, Board: board, Gatherer: d.registry, Checks: checks, Stages: stagesHandler, Env: envs.For(bus.Health)}).Run
+	}, Board: board, Gatherer: d.registry, Checks: checks, Stages: stagesHandler, Env: envs.For(bus.Health),
+		Recorder: d.recorder, Fatal: d.stopFatal()}).Run
 
 	onRestart := func(stage string, err error) {
 		envs.Metrics.StageRestarts.WithLabelValues(stage).Inc()

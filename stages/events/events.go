@@ -3,16 +3,20 @@
 // so dashboards and `kubectl events` filters made for kube-proxy match): a Normal
 // "Starting" event when the process starts, a Warning for each node set-up step
 // that failed before the client existed, and a Warning when a family's rules
-// keep failing to sync.
+// keep failing to sync. It also holds kube-proxy's Warnings other parts of kpipe
+// record: a healthz or metrics port bindAddressHardFail requires (on the Node),
+// a healthCheckNodePort that cannot be bound (on the Service).
 package events
 
 import (
 	"context"
 	"fmt"
 	"log/slog"
+	"sync"
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
+	eventsv1 "k8s.io/api/events/v1"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/kubernetes/scheme"
@@ -38,6 +42,14 @@ const (
 	// conntrack table); it exits on other sysctl failures and only logs a failed
 	// OOM score, where kpipe goes on and warns.
 	ReasonSetupFailed = "NodeSetupFailed"
+	// kube-proxy's Warnings on the Node when, with bindAddressHardFail, its healthz
+	// or metrics server cannot start (it exits after), with action ActionStart.
+	ReasonHealthzFailed = "FailedToStartProxierHealthcheck"
+	ReasonMetricsFailed = "FailedToStartMetricServer"
+	// ReasonServiceHealthcheckFailed: kube-proxy's Warning on a Service whose
+	// healthCheckNodePort cannot be bound.
+	ReasonServiceHealthcheckFailed = "FailedToStartServiceHealthcheck"
+	ActionListen                   = "Listen"
 	// ReasonReloadFailed: the config file changed into one kpipe rejects; it keeps
 	// running on the previous configuration (kube-proxy would exit instead).
 	ReasonReloadFailed = "ConfigReloadFailed"
@@ -52,17 +64,93 @@ const (
 )
 
 // NewRecorder makes kube-proxy's recorder: an events.k8s.io/v1 broadcaster writing
-// to client, and a recorder reporting as "kube-proxy". The broadcaster sends
-// nothing until the stage's Run starts it.
-func NewRecorder(client kubernetes.Interface) (events.EventBroadcaster, events.EventRecorder) {
-	b := events.NewBroadcaster(&events.EventSinkImpl{Interface: client.EventsV1()})
-	return b, b.NewRecorder(scheme.Scheme, ReportingController)
+// to client, a recorder reporting as "kube-proxy", and what the broadcaster has
+// written. The broadcaster sends nothing until the stage's Run starts it.
+func NewRecorder(client kubernetes.Interface) (events.EventBroadcaster, events.EventRecorder, *Written) {
+	w := &Written{reasons: map[string]bool{}, changed: make(chan struct{})}
+	b := events.NewBroadcaster(writtenSink{events.EventSinkImpl{Interface: client.EventsV1()}, w})
+	return b, b.NewRecorder(scheme.Scheme, ReportingController), w
+}
+
+// Written follows the events a broadcaster wrote to the apiserver, by reason: a
+// process about to exit waits for its last event there, as the broadcaster writes
+// in the background.
+type Written struct {
+	mu      sync.Mutex
+	reasons map[string]bool
+	changed chan struct{} // closed, and replaced, at each write
+}
+
+// Wait waits until an event with reason has been written; false if ctx ended first.
+func (w *Written) Wait(ctx context.Context, reason string) bool {
+	for {
+		w.mu.Lock()
+		done, changed := w.reasons[reason], w.changed
+		w.mu.Unlock()
+		if done {
+			return true
+		}
+		select {
+		case <-ctx.Done():
+			return false
+		case <-changed:
+		}
+	}
+}
+
+func (w *Written) add(ev *eventsv1.Event) {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	w.reasons[ev.Reason] = true
+	close(w.changed)
+	w.changed = make(chan struct{})
+}
+
+// writtenSink is the apiserver's sink, telling Written of each event it wrote.
+type writtenSink struct {
+	events.EventSinkImpl
+	written *Written
+}
+
+func (s writtenSink) Create(ctx context.Context, ev *eventsv1.Event) (*eventsv1.Event, error) {
+	return s.wrote(s.EventSinkImpl.Create(ctx, ev))
+}
+
+func (s writtenSink) Update(ctx context.Context, ev *eventsv1.Event) (*eventsv1.Event, error) {
+	return s.wrote(s.EventSinkImpl.Update(ctx, ev))
+}
+
+func (s writtenSink) Patch(ctx context.Context, ev *eventsv1.Event, patch []byte) (*eventsv1.Event, error) {
+	return s.wrote(s.EventSinkImpl.Patch(ctx, ev, patch))
+}
+
+func (s writtenSink) wrote(ev *eventsv1.Event, err error) (*eventsv1.Event, error) {
+	if err == nil && ev != nil {
+		s.written.add(ev)
+	}
+	return ev, err
 }
 
 // NodeRef is the object kube-proxy's events are about: the Node, with its name as
 // UID, as kube-proxy refers to it.
 func NodeRef(node string) *corev1.ObjectReference {
 	return &corev1.ObjectReference{Kind: "Node", Name: node, UID: types.UID(node)}
+}
+
+// RecordServerFailure records kube-proxy's Warning reason (ReasonHealthzFailed or
+// ReasonMetricsFailed) on the Node, err's text as its note.
+func RecordServerFailure(rec events.EventRecorder, node, reason string, err error) {
+	rec.Eventf(NodeRef(node), nil, corev1.EventTypeWarning, reason, ActionStart, "%s", err)
+}
+
+// RecordServiceHealthcheckFailure records kube-proxy's Warning on the Service
+// (referred to as kube-proxy does, "namespace/name" as UID) whose
+// healthCheckNodePort port could not be bound on node.
+func RecordServiceHealthcheckFailure(rec events.EventRecorder, node, namespace, name string, port int32, err error) {
+	nsn := namespace + "/" + name
+	ref := &corev1.ObjectReference{Kind: "Service", Namespace: namespace, Name: name, UID: types.UID(nsn)}
+	rec.Eventf(ref, nil, corev1.EventTypeWarning, ReasonServiceHealthcheckFailed, ActionListen,
+		"node %s failed to start healthcheck %q on port %d: %v", node, nsn, port, err)
 }
 
 // SetupFailure is a node set-up step that failed.

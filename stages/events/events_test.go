@@ -41,7 +41,7 @@ func nodeEvents(t *testing.T, client *fake.Clientset, node, reason string) []eve
 // Node, reported by kube-proxy, in namespace default.
 func TestRunRecordsStarting(t *testing.T) {
 	client := fake.NewClientset()
-	b, rec := NewRecorder(client)
+	b, rec, _ := NewRecorder(client)
 	defer b.Shutdown()
 	s := NewStage(Params{Broadcaster: b, Recorder: rec, Node: "node-a", Families: []bus.Family{bus.IPv4}})
 	ctx, cancel := context.WithCancel(context.Background())
@@ -69,7 +69,7 @@ func TestRunRecordsStarting(t *testing.T) {
 // TestRestartedRunDoesNotRecordStarting: a supervisor restart of the stage is not
 // a new start of the process.
 func TestRestartedRunDoesNotRecordStarting(t *testing.T) {
-	b, _ := NewRecorder(fake.NewClientset())
+	b, _, _ := NewRecorder(fake.NewClientset())
 	defer b.Shutdown()
 	rec := events.NewFakeRecorder(10)
 	s := NewStage(Params{Broadcaster: b, Recorder: rec, Node: "node-a"})
@@ -159,7 +159,7 @@ func TestCheckSyncsWarnsAfterFailuresInARow(t *testing.T) {
 // client existed is one Warning on the Node, recorded by the first Run only.
 func TestRunRecordsSetupFailures(t *testing.T) {
 	client := fake.NewClientset()
-	b, rec := NewRecorder(client)
+	b, rec, _ := NewRecorder(client)
 	defer b.Shutdown()
 	failures := []SetupFailure{
 		{Step: "SetSysctl/net/netfilter/nf_conntrack_max", Note: "could not set net/netfilter/nf_conntrack_max to 131072: permission denied"},

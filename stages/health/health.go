@@ -17,6 +17,7 @@ import (
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
+	k8sevents "k8s.io/client-go/tools/events"
 
 	"github.com/kpipe/kpipe/bus"
 	"github.com/kpipe/kpipe/metrics"
@@ -47,8 +48,9 @@ type Config struct {
 	// gives it in the shape of kube-proxy's internal configuration.
 	Configz any
 	// BindHardFail (kube-proxy's bindAddressHardFail) makes a healthz or metrics
-	// port that cannot be bound fail Run; without it the stage retries binding in
-	// the background, with backoff, while everything else keeps running.
+	// port that cannot be bound stop kpipe (Params.Fatal); without it the stage
+	// tries again every bindRetry, as kube-proxy does, while everything else keeps
+	// running. kpipe's debug listener is always retried.
 	BindHardFail bool
 }
 
@@ -58,10 +60,9 @@ const (
 	shutdownGrace = 5 * time.Second
 	// readHeaderTimeout guards every server against slow-header clients.
 	readHeaderTimeout = 30 * time.Second
-	// bindRetry and maxBindRetry bound the backoff between attempts to bind a
-	// listener whose port is taken.
-	bindRetry    = time.Second
-	maxBindRetry = 30 * time.Second
+	// bindRetry is the wait between attempts to bind a listener whose port is
+	// taken: kube-proxy restarts its healthz and metrics servers every 5 s.
+	bindRetry = 5 * time.Second
 )
 
 // Health is the health stage. Make it with New; Run may be called again after it
@@ -77,15 +78,16 @@ type Health struct {
 	checks   *bus.Mailbox[bus.HealthCheckUpdates]
 	stages   http.Handler
 	log      *slog.Logger
+	recorder k8sevents.EventRecorder // nil: no events
+	fatal    func(error)
 
 	// started stands for kube-proxy's "Updated() at the start of SyncLoop": a family
 	// that has never committed counts as updated at this time.
 	started time.Time
 	now     func() time.Time
 	grace   time.Duration
-	// bindRetry is the first wait before binding a taken port again (doubling up
-	// to maxBindRetry).
-	bindRetry time.Duration
+	// after waits before binding a taken port again (time.After; tests fake it).
+	after func(time.Duration) <-chan time.Time
 
 	// latest holds the last HealthChecks taken per family; it outlives a Run so a
 	// restarted Run reopens the servers the mailbox no longer holds. Only Run touches it.
@@ -109,7 +111,31 @@ type Params struct {
 	Stages http.Handler
 	// Env's metrics count the /healthz and /livez answers.
 	Env bus.Env
+	// Recorder records a Warning on a Service whose healthCheckNodePort cannot be
+	// bound, as kube-proxy does; nil records nothing.
+	Recorder k8sevents.EventRecorder
+	// Fatal, with BindHardFail, is told the *BindError of a healthz or metrics
+	// port that cannot be bound: it stops kpipe at once, where Run's error
+	// would only restart the stage. Nil: Run returns the error.
+	Fatal func(error)
 }
+
+// BindError is a healthz or metrics listener that could not be bound. Its text
+// is the note of kube-proxy's event for it.
+type BindError struct {
+	Metrics bool // the metrics listener; else healthz
+	Addr    string
+	Err     error
+}
+
+func (e *BindError) Error() string {
+	if e.Metrics {
+		return fmt.Sprintf("starting metrics server failed: %v", e.Err)
+	}
+	return fmt.Sprintf("healthz server failed: failed to start proxy healthz on %s: %v", e.Addr, e.Err)
+}
+
+func (e *BindError) Unwrap() error { return e.Err }
 
 // New makes the health stage.
 func New(p Params) *Health {
@@ -136,21 +162,23 @@ func New(p Params) *Health {
 		families = []bus.Family{bus.IPv4}
 	}
 	return &Health{
-		cfg:       cfg,
-		families:  families,
-		timeout:   2 * period,
-		board:     board,
-		gatherer:  p.Gatherer,
-		metrics:   p.Env.Metrics,
-		checks:    p.Checks,
-		stages:    p.Stages,
-		log:       log,
-		started:   time.Now(),
-		now:       time.Now,
-		grace:     shutdownGrace,
-		bindRetry: bindRetry,
-		latest:    map[bus.Family]bus.HealthChecks{},
-		bound:     map[string]net.Addr{},
+		cfg:      cfg,
+		families: families,
+		timeout:  2 * period,
+		board:    board,
+		gatherer: p.Gatherer,
+		metrics:  p.Env.Metrics,
+		checks:   p.Checks,
+		stages:   p.Stages,
+		log:      log,
+		recorder: p.Recorder,
+		fatal:    p.Fatal,
+		started:  time.Now(),
+		now:      time.Now,
+		grace:    shutdownGrace,
+		after:    time.After,
+		latest:   map[bus.Family]bus.HealthChecks{},
+		bound:    map[string]net.Addr{},
 	}
 }
 
@@ -181,9 +209,9 @@ func (h *Health) setBound(name string, a net.Addr) {
 
 // Run serves until ctx ends (then shuts the servers down gracefully, closes every
 // healthCheckNodePort listener and returns nil) or a serving healthz, metrics or
-// debug listener fails (then returns the error). A port that cannot be bound fails Run
-// only with BindHardFail; otherwise it is retried in the background. Every port is
-// released when Run returns.
+// debug listener fails (then returns the error). A healthz or metrics port that
+// cannot be bound goes to Fatal with BindHardFail (see hardFail); otherwise it is
+// retried in the background. Every port is released when Run returns.
 func (h *Health) Run(ctx context.Context) error {
 	if ctx.Err() != nil {
 		return nil
@@ -210,12 +238,12 @@ func (h *Health) Run(ctx context.Context) error {
 		if l.addr == "" {
 			continue
 		}
-		ln, err := h.listen(ctx, l.name, l.addr)
+		ln, err := listen(ctx, l.addr)
 		if err != nil {
-			if h.cfg.BindHardFail {
-				return err
+			if h.cfg.BindHardFail && l.name != debugListener {
+				return h.hardFail(ctx, &BindError{Metrics: l.name == metricsListener, Addr: l.addr, Err: err})
 			}
-			h.log.Warn("cannot bind; retrying in the background", "listener", l.name, "err", err)
+			h.log.Warn("cannot bind; retrying in the background", "listener", l.name, "err", err, "retryIn", bindRetry)
 		}
 		handler := l.handler()
 		wg.Go(func() { h.serveListener(ctx, l.name, l.addr, ln, handler, errc) })
@@ -246,27 +274,37 @@ func (h *Health) Run(ctx context.Context) error {
 	}
 }
 
-func (h *Health) listen(ctx context.Context, name, addr string) (net.Listener, error) {
-	ln, err := (&net.ListenConfig{}).Listen(ctx, "tcp", addr)
-	if err != nil {
-		return nil, fmt.Errorf("listen for %s on %s: %w", name, addr, err)
+// hardFail hands err to Fatal and waits for ctx to end: like kube-proxy's
+// server, it never retries, and a supervisor restart would only delay the stop.
+// Without Fatal it returns err.
+func (h *Health) hardFail(ctx context.Context, err error) error {
+	if h.fatal == nil {
+		return err
 	}
-	return ln, nil
+	h.log.Error("cannot bind with bindAddressHardFail; stopping kpipe", "err", err)
+	h.fatal(err)
+	<-ctx.Done()
+	return nil
+}
+
+// listen binds addr; its error names the address (a *net.OpError).
+func listen(ctx context.Context, addr string) (net.Listener, error) {
+	return (&net.ListenConfig{}).Listen(ctx, "tcp", addr)
 }
 
 // serveListener serves handler on ln until ctx ends, then shuts the server down
-// gracefully. A nil ln is bound first, retried with backoff until it succeeds or
+// gracefully. A nil ln is bound first, tried every bindRetry until it succeeds or
 // ctx ends. A serve error goes to errc.
 func (h *Health) serveListener(ctx context.Context, name, addr string, ln net.Listener, handler http.Handler, errc chan<- error) {
-	for wait := h.bindRetry; ln == nil; wait = min(2*wait, maxBindRetry) {
+	for ln == nil {
 		select {
 		case <-ctx.Done():
 			return
-		case <-time.After(wait):
+		case <-h.after(bindRetry):
 		}
 		var err error
-		if ln, err = h.listen(ctx, name, addr); err != nil {
-			h.log.Warn("cannot bind; retrying", "listener", name, "err", err, "retryIn", min(2*wait, maxBindRetry))
+		if ln, err = listen(ctx, addr); err != nil {
+			h.log.Warn("cannot bind; retrying", "listener", name, "err", err, "retryIn", bindRetry)
 		}
 	}
 	srv := &http.Server{Handler: handler, ReadHeaderTimeout: readHeaderTimeout,

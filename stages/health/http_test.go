@@ -539,7 +539,7 @@ func TestRunRetriesBindInBackground(t *testing.T) {
 	}
 	metricsAddr := busy.Addr().String()
 	hs := newHarness(t, Config{HealthzAddr: "127.0.0.1:0", MetricsAddr: metricsAddr}, nil)
-	hs.h.bindRetry = 20 * time.Millisecond
+	hs.h.after = func(time.Duration) <-chan time.Time { return time.After(20 * time.Millisecond) }
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
 	done := make(chan error, 1)
@@ -660,4 +660,37 @@ func TestHealthzNamesDegradedSideStagesWithoutTheirErrors(t *testing.T) {
 			t.Errorf("%s after the failure aged out = %d %s; want 200 without degraded", path, r.code, r.body)
 		}
 	}
+}
+
+// TestBindRetryEveryFiveSeconds: without BindHardFail a taken port is tried
+// again every 5 s, as kube-proxy's servers are (wait.Until's period), not with
+// a growing backoff.
+func TestBindRetryEveryFiveSeconds(t *testing.T) {
+	busy, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer busy.Close()
+	hs := newHarness(t, Config{MetricsAddr: busy.Addr().String()}, nil)
+	waits := make(chan time.Duration)
+	hs.h.after = func(d time.Duration) <-chan time.Time {
+		waits <- d
+		fired := make(chan time.Time, 1)
+		fired <- time.Time{}
+		return fired
+	}
+	stop := hs.run(t)
+	for i := range 4 {
+		if d := <-waits; d != 5*time.Second {
+			t.Errorf("wait %d before binding again = %v, want 5s", i+1, d)
+		}
+	}
+	go func() { // let Run's retry loop see the cancel
+		for range waits {
+		}
+	}()
+	if err := stop(); err != nil {
+		t.Fatalf("Run = %v", err)
+	}
+	close(waits)
 }

@@ -13,6 +13,7 @@ import (
 	"sync/atomic"
 
 	"github.com/kpipe/kpipe/bus"
+	"github.com/kpipe/kpipe/stages/events"
 )
 
 // mergeChecks folds the latest HealthChecks of every family into one answer per
@@ -140,6 +141,9 @@ func (s *serviceServers) sync(latest map[bus.Family]bus.HealthChecks) {
 		if err := s.open(svc); err != nil {
 			s.h.log.Error("failed to start healthcheck", "node", s.h.cfg.NodeName,
 				"service", key.String(), "port", hc.NodePort, "err", err)
+			if s.h.recorder != nil {
+				events.RecordServiceHealthcheckFailure(s.h.recorder, s.h.cfg.NodeName, key.Namespace, key.Name, hc.NodePort, err)
+			}
 			continue
 		}
 		s.h.log.Info("opened healthcheck", "service", key.String(), "port", hc.NodePort)
@@ -157,7 +161,7 @@ func (s *serviceServers) open(svc *serviceServer) error {
 		ln, err := net.Listen(b.network, addr)
 		if err != nil {
 			svc.close(s.h.log)
-			return fmt.Errorf("listen on %s: %w", addr, err)
+			return err // names the address, as kube-proxy's event note shows it
 		}
 		srv := &http.Server{Handler: handler, ReadHeaderTimeout: readHeaderTimeout,
 			ErrorLog: slog.NewLogLogger(s.h.log.Handler(), slog.LevelWarn)}

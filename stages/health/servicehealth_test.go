@@ -12,7 +12,12 @@ import (
 	"testing"
 	"time"
 
+	eventsv1 "k8s.io/api/events/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/client-go/kubernetes/fake"
+
 	"github.com/kpipe/kpipe/bus"
+	kpevents "github.com/kpipe/kpipe/stages/events"
 )
 
 func loopback() []netip.Addr { return []netip.Addr{netip.MustParseAddr("127.0.0.1")} }
@@ -252,4 +257,62 @@ func TestServiceHealthAllAddresses(t *testing.T) {
 		t.Fatalf("wildcard port %d not released: %v", port, err)
 	}
 	ln.Close()
+}
+
+// TestServiceHealthBindFailureRecordsEvent: a healthCheckNodePort that cannot be
+// bound is kube-proxy's Warning FailedToStartServiceHealthcheck on the Service
+// (action Listen, its note naming node, service and port); the service whose port
+// binds gets none.
+func TestServiceHealthBindFailureRecordsEvent(t *testing.T) {
+	client := fake.NewClientset()
+	b, rec, _ := kpevents.NewRecorder(client)
+	defer b.Shutdown()
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	if err := b.StartRecordingToSinkWithContext(ctx); err != nil {
+		t.Fatal(err)
+	}
+	hs := newHarness(t, Config{NodeName: "node-1"}, nil)
+	hs.h.recorder = rec
+	hs.run(t)
+	busy, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer busy.Close()
+	pa, pb := int32(busy.Addr().(*net.TCPAddr).Port), freePort(t)
+	hs.checks.Put(bus.HealthCheckUpdates{bus.IPv4: {Addrs: loopback(), Services: map[bus.ServiceKey]bus.HealthCheck{
+		{Namespace: "ns", Name: "a"}: {NodePort: pa, LocalEndpoints: 1},
+		{Namespace: "ns", Name: "b"}: {NodePort: pb, LocalEndpoints: 1},
+	}}})
+	waitAnswer(t, pb, hcBody("ns", "b", 1, true))
+
+	var got []eventsv1.Event
+	eventually(t, func() bool {
+		list, err := client.EventsV1().Events("ns").List(ctx, metav1.ListOptions{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		got = list.Items
+		return len(got) > 0
+	}, "an event in namespace ns")
+	ev := got[0]
+	wantNote := fmt.Sprintf(`node node-1 failed to start healthcheck "ns/a" on port %d: listen tcp 127.0.0.1:%d: bind: address already in use`, pa, pa)
+	if ev.Regarding.Kind != "Service" || ev.Regarding.Namespace != "ns" || ev.Regarding.Name != "a" || ev.Type != "Warning" ||
+		ev.Reason != "FailedToStartServiceHealthcheck" || ev.Action != "Listen" || ev.Note != wantNote {
+		t.Errorf("event: regarding %s %s/%s, type %q reason %q action %q note %q;\nwant Service ns/a, Warning FailedToStartServiceHealthcheck Listen %q",
+			ev.Regarding.Kind, ev.Regarding.Namespace, ev.Regarding.Name, ev.Type, ev.Reason, ev.Action, ev.Note, wantNote)
+	}
+	for range 5 { // the service that serves never gets one
+		list, err := client.EventsV1().Events("ns").List(ctx, metav1.ListOptions{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, e := range list.Items {
+			if e.Regarding.Name != "a" {
+				t.Fatalf("event about %s/%s, which binds: %s", e.Regarding.Namespace, e.Regarding.Name, e.Note)
+			}
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
 }
