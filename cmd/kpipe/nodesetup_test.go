@@ -2,10 +2,13 @@ package main
 
 import (
 	"context"
+	"fmt"
 	"io"
 	"log/slog"
 	"os"
+	"os/exec"
 	"path/filepath"
+	"runtime"
 	"slices"
 	"strings"
 	"testing"
@@ -23,7 +26,12 @@ func tempNodeHost(t *testing.T, cpus int) nodeHost {
 	if err := os.MkdirAll(filepath.Join(dir, "sys/net/netfilter"), 0o755); err != nil {
 		t.Fatal(err)
 	}
-	return nodeHost{sysctls: nf.Sysctls{Root: filepath.Join(dir, "sys")}, oomScoreAdjFile: filepath.Join(dir, "oom_score_adj"), cpus: func() int { return cpus }}
+	// A hashsize larger than any nf_conntrack_max/4 the tests set: left alone.
+	if err := os.WriteFile(filepath.Join(dir, "hashsize"), []byte("1048576\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	return nodeHost{sysctls: nf.Sysctls{Root: filepath.Join(dir, "sys")}, oomScoreAdjFile: filepath.Join(dir, "oom_score_adj"),
+		hashsizeFile: filepath.Join(dir, "hashsize"), cpus: func() int { return cpus }}
 }
 
 func discard() *slog.Logger { return slog.New(slog.NewTextHandler(io.Discard, nil)) }
@@ -208,5 +216,132 @@ func TestRemoveNFTablesModeNotWhenStoppedBeforeSync(t *testing.T) {
 	case <-done:
 	case <-time.After(5 * time.Second):
 		t.Fatal("still waiting after its context ended")
+	}
+}
+
+// hashsizeOf reads back the fake node's conntrack hashsize.
+func hashsizeOf(t *testing.T, h nodeHost) string {
+	t.Helper()
+	b, err := os.ReadFile(h.hashsizeFile)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return strings.TrimSpace(string(b))
+}
+
+// nf_conntrack_max is maxPerCore times the CPUs (at least min) and the
+// conntrack hashsize is raised to a quarter of it when lower, as kube-proxy
+// does; a hashsize already as large or larger is left alone.
+func TestNodeSetUpRaisesTheConntrackHashsize(t *testing.T) {
+	o := defaultOptions() // 32768 per core, at least 131072
+	for _, c := range []struct {
+		cpus           int
+		hashsize, want string
+		nfConntrackMax string
+	}{
+		{cpus: 8, hashsize: "16384", want: "65536", nfConntrackMax: "262144"},
+		{cpus: 2, hashsize: "16384", want: "32768", nfConntrackMax: "131072"},   // min: 131072/4
+		{cpus: 8, hashsize: "65536", want: "65536", nfConntrackMax: "262144"},   // already max/4
+		{cpus: 8, hashsize: "524288", want: "524288", nfConntrackMax: "262144"}, // never lowered
+	} {
+		h := tempNodeHost(t, c.cpus)
+		if err := os.WriteFile(h.hashsizeFile, []byte(c.hashsize+"\n"), 0o644); err != nil {
+			t.Fatal(err)
+		}
+		if failed := setUpNode(o, h, discard()); len(failed) != 0 {
+			t.Errorf("%d CPUs: writes failed: %v", c.cpus, failed)
+		}
+		if got := sysctlsOf(t, h)["nf_conntrack_max"]; got != c.nfConntrackMax {
+			t.Errorf("%d CPUs: nf_conntrack_max %s; want %s", c.cpus, got, c.nfConntrackMax)
+		}
+		if got := hashsizeOf(t, h); got != c.want {
+			t.Errorf("%d CPUs, hashsize %s: hashsize now %s; want %s", c.cpus, c.hashsize, got, c.want)
+		}
+	}
+}
+
+// A hashsize that cannot be raised (a read-only /sys, a network namespace other
+// than the host's) is a failed step, as a sysctl is; maxPerCore 0 leaves both
+// nf_conntrack_max and the hashsize alone.
+func TestNodeSetUpHashsizeFailureAndMaxPerCoreZero(t *testing.T) {
+	o := defaultOptions()
+	h := tempNodeHost(t, 8)
+	h.hashsizeFile = filepath.Join(h.sysctls.Root, "no/such/hashsize")
+	var steps []string
+	for _, f := range setUpNode(o, h, discard()) {
+		steps = append(steps, f.Step)
+	}
+	if want := []string{"SetConntrackHashsize"}; !slices.Equal(steps, want) {
+		t.Errorf("failed steps %q; want %q", steps, want)
+	}
+
+	o.Conntrack.MaxPerCore = 0
+	h = tempNodeHost(t, 8)
+	if err := os.WriteFile(h.hashsizeFile, []byte("1024"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	setUpNode(o, h, discard())
+	if got := hashsizeOf(t, h); got != "1024" {
+		t.Errorf("maxPerCore 0: hashsize %s; want 1024 left alone", got)
+	}
+}
+
+// CPU lists as the kernel writes them in /sys/devices/system/cpu/online.
+func TestCountCPUList(t *testing.T) {
+	for list, want := range map[string]int{"0": 1, "0-3": 4, "0-3,5": 5, "0,2,4-7\n": 6, "0-63": 64, "1-2,4-5,8": 5} {
+		if got, err := countCPUList(list); err != nil || got != want {
+			t.Errorf("countCPUList(%q) = %d, %v; want %d", list, got, err, want)
+		}
+	}
+	for _, bad := range []string{"", "\n", "a", "3-1", "0-", "-3", "0,,1", "0-1-2"} {
+		if got, err := countCPUList(bad); err == nil {
+			t.Errorf("countCPUList(%q) = %d; want an error", bad, got)
+		}
+	}
+}
+
+// The CPUs are counted from the file given, falling back to the ones Go sees
+// when it is missing or unreadable.
+func TestOnlineCPUs(t *testing.T) {
+	file := filepath.Join(t.TempDir(), "online")
+	if err := os.WriteFile(file, []byte("0-3,5\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if got := onlineCPUs(file); got != 5 {
+		t.Errorf("onlineCPUs(0-3,5) = %d; want 5", got)
+	}
+	if got := onlineCPUs(filepath.Join(t.TempDir(), "missing")); got != runtime.NumCPU() {
+		t.Errorf("onlineCPUs(missing file) = %d; want runtime.NumCPU() %d", got, runtime.NumCPU())
+	}
+}
+
+// Pinned to one CPU (a DaemonSet with a CPU set, taskset), kpipe still counts
+// the machine's CPUs, as kube-proxy does (kubernetes#99225): the affinity mask
+// is not the machine. The test runs itself again under taskset -c 0.
+func TestRealNodeHostCountsCPUsPastTheAffinityMask(t *testing.T) {
+	if os.Getenv("KPIPE_TEST_PRINT_CPUS") == "1" {
+		fmt.Printf("cpus=%d\n", realNodeHost.cpus())
+		return
+	}
+	online, err := os.ReadFile("/sys/devices/system/cpu/online")
+	if err != nil {
+		t.Skipf("no /sys/devices/system/cpu/online: %v", err)
+	}
+	machine, err := countCPUList(string(online))
+	if err != nil || machine < 2 {
+		t.Skipf("%d online CPUs (%v): pinning to one could not show a difference", machine, err)
+	}
+	taskset, err := exec.LookPath("taskset")
+	if err != nil {
+		t.Skip("no taskset")
+	}
+	cmd := exec.Command(taskset, "-c", "0", os.Args[0], "-test.run=^TestRealNodeHostCountsCPUsPastTheAffinityMask$")
+	cmd.Env = append(os.Environ(), "KPIPE_TEST_PRINT_CPUS=1")
+	out, err := cmd.CombinedOutput()
+	if err != nil {
+		t.Fatalf("%v: %s", err, out)
+	}
+	if want := fmt.Sprintf("cpus=%d\n", machine); !strings.Contains(string(out), want) {
+		t.Errorf("pinned to CPU 0: %q; want %q (the machine's online CPUs)", out, want)
 	}
 }
