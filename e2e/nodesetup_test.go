@@ -203,3 +203,42 @@ func TestInitOnlySetsUpTheNode(t *testing.T) {
 		t.Errorf("nftables tables after --init-only:\n%s\nwant ip kube-proxy gone and ip kpipetest-other kept", tables)
 	}
 }
+
+const routeLocalnetSysctl = "/proc/sys/net/ipv4/conf/all/route_localnet"
+
+// kpipe --init-only sets route_localnet=1 in the node's namespace when NodePorts
+// answer on 127.0.0.1 (the default), as kube-proxy's --init-only does, so that
+// a daemon with CAP_NET_ADMIN alone can run after it; with
+// --iptables-localhost-nodeports=false it leaves it at 0. The daemon, which
+// sets it too, is stopped meanwhile.
+func TestInitOnlySetsRouteLocalnet(t *testing.T) {
+	e := setup(t)
+	keepNodeSysctl(t, routeLocalnetSysctl)
+	e.restoreKpipeAtEnd()
+	if err := e.k.Stop(); err != nil {
+		t.Fatalf("stop kpipe: %v", err)
+	}
+	routeLocalnet := func() string {
+		t.Helper()
+		v, err := tb.Exec(tb.NodeNS, "cat", routeLocalnetSysctl)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return strings.TrimSpace(v)
+	}
+	if out, err := tb.Exec(tb.NodeNS, "sh", "-c", "echo 0 > "+routeLocalnetSysctl); err != nil {
+		t.Fatalf("set route_localnet=0: %v %s", err, out)
+	}
+	common := []string{"--init-only", "--kubeconfig=" + tb.Kubeconfig, "--hostname-override=" + testbed.NodeName, "--conntrack-max-per-core=0"}
+	for _, c := range []struct {
+		flag, want string
+	}{{"--iptables-localhost-nodeports=false", "0"}, {"--iptables-localhost-nodeports=true", "1"}} {
+		code, out := runKpipeOnce(t, append(common, c.flag)...)
+		if code != 0 {
+			t.Fatalf("kpipe --init-only %s: exit %d:\n%s", c.flag, code, out)
+		}
+		if got := routeLocalnet(); got != c.want {
+			t.Errorf("after kpipe --init-only %s: route_localnet %s; want %s", c.flag, got, c.want)
+		}
+	}
+}

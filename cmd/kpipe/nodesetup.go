@@ -162,6 +162,26 @@ func raiseHashsize(file string, want int, log *slog.Logger) error {
 	return nil
 }
 
+const routeLocalnet = "net/ipv4/conf/all/route_localnet"
+
+// initNode is --init-only's node set-up, what kube-proxy's iptables mode does
+// before it would program rules: the conntrack sysctls (setUpNode) and, when
+// IPv4 NodePorts answer on 127.0.0.1, route_localnet=1, which a daemon with
+// CAP_NET_ADMIN alone cannot set later. That one is an error, as in kube-proxy.
+// The daemon instead sets route_localnet only once the rule guarding
+// 127.0.0.0/8 is in (commit).
+func initNode(o *Options, h nodeHost, log *slog.Logger) error {
+	setUpNode(o, h, log)
+	if !o.localhostNodePorts() {
+		return nil
+	}
+	if err := h.sysctls.Write(routeLocalnet, "1"); err != nil {
+		return fmt.Errorf("NodePorts on 127.0.0.1 need route_localnet: %w", err)
+	}
+	log.Info("set route_localnet=1 for NodePorts on 127.0.0.1; to leave it alone, turn off iptables.localhostNodePorts or leave 127.0.0.1 out of nodePortAddresses")
+	return nil
+}
+
 // removeNFTablesMode removes the tables of kube-proxy's nftables mode, as
 // kube-proxy does when it starts in another mode, so the node can switch. Best
 // effort: a failure is a warning.

@@ -23,8 +23,10 @@ import (
 func tempNodeHost(t *testing.T, cpus int) nodeHost {
 	t.Helper()
 	dir := t.TempDir()
-	if err := os.MkdirAll(filepath.Join(dir, "sys/net/netfilter"), 0o755); err != nil {
-		t.Fatal(err)
+	for _, d := range []string{"sys/net/netfilter", "sys/net/ipv4/conf/all"} {
+		if err := os.MkdirAll(filepath.Join(dir, d), 0o755); err != nil {
+			t.Fatal(err)
+		}
 	}
 	// A hashsize larger than any nf_conntrack_max/4 the tests set: left alone.
 	if err := os.WriteFile(filepath.Join(dir, "hashsize"), []byte("1048576\n"), 0o644); err != nil {
@@ -343,5 +345,50 @@ func TestRealNodeHostCountsCPUsPastTheAffinityMask(t *testing.T) {
 	}
 	if want := fmt.Sprintf("cpus=%d\n", machine); !strings.Contains(string(out), want) {
 		t.Errorf("pinned to CPU 0: %q; want %q (the machine's online CPUs)", out, want)
+	}
+}
+
+// --init-only sets net.ipv4.conf.all.route_localnet=1 when IPv4 NodePorts answer
+// on 127.0.0.1, as kube-proxy's iptables mode does in its set-up, so a
+// CAP_NET_ADMIN-only daemon started after it does not need to; it leaves it
+// alone when they do not (turned off, or NodePort addresses without 127.0.0.1).
+func TestInitNodeSetsRouteLocalnet(t *testing.T) {
+	for _, c := range []struct {
+		args []string
+		want string
+	}{
+		{nil, "1"},
+		{[]string{"--nodeport-addresses=127.0.0.0/8,10.0.0.0/8"}, "1"},
+		{[]string{"--iptables-localhost-nodeports=false"}, "0"},
+		{[]string{"--nodeport-addresses=10.0.0.0/8"}, "0"},
+		{[]string{"--nodeport-addresses=primary"}, "0"},
+	} {
+		o, code, stderr := resolved(t, append([]string{"--init-only"}, c.args...)...)
+		if code != 0 {
+			t.Fatalf("%q: exit %d: %s", c.args, code, stderr)
+		}
+		h := tempNodeHost(t, 2)
+		if err := h.sysctls.Write(routeLocalnet, "0"); err != nil {
+			t.Fatal(err)
+		}
+		if err := initNode(o, h, discard()); err != nil {
+			t.Errorf("%q: %v", c.args, err)
+		}
+		if got, err := h.sysctls.Read(routeLocalnet); err != nil || got != c.want {
+			t.Errorf("%q: route_localnet %q (%v); want %q", c.args, got, err, c.want)
+		}
+	}
+}
+
+// A route_localnet --init-only cannot set is an error (exit 1), as in
+// kube-proxy: the daemon after it may lack the privilege to set it.
+func TestInitNodeFailsWhenRouteLocalnetCannotBeSet(t *testing.T) {
+	h := tempNodeHost(t, 2)
+	if err := os.MkdirAll(filepath.Join(h.sysctls.Root, routeLocalnet), 0o755); err != nil { // a directory: the write fails
+		t.Fatal(err)
+	}
+	err := initNode(defaultOptions(), h, discard())
+	if err == nil || !strings.Contains(err.Error(), "route_localnet") {
+		t.Errorf("initNode with an unwritable route_localnet: %v; want an error naming route_localnet", err)
 	}
 }
