@@ -2,13 +2,17 @@ package e2e
 
 import (
 	"errors"
+	"fmt"
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 
+	"github.com/vishvananda/netlink"
 	corev1 "k8s.io/api/core/v1"
 
 	"github.com/kpipe/kpipe/e2e/testbed"
@@ -148,6 +152,7 @@ func TestCleanupRemovesKpipeRules(t *testing.T) {
 	if left := leftovers(t); len(left) == 0 {
 		t.Fatal("no kpipe chains before --cleanup: the check below could not fail")
 	}
+	makeIPSets(t, "KUBE-CLUSTER-IP", "KUBE-6-CLUSTER-IP", "KUBE-LOOP-BACK", "cni-other", "KUBE-NOT-KUBE-PROXYS")
 	for run := 1; run <= 2; run++ {
 		code, out := runKpipeOnce(t, "--cleanup")
 		if code != 0 {
@@ -155,6 +160,9 @@ func TestCleanupRemovesKpipeRules(t *testing.T) {
 		}
 		if left := leftovers(t); len(left) > 0 {
 			t.Errorf("after --cleanup (run %d), left:\n%s", run, strings.Join(left, "\n"))
+		}
+		if got, want := nodeIPSets(t), []string{"KUBE-NOT-KUBE-PROXYS", "cni-other"}; !slices.Equal(got, want) {
+			t.Errorf("after --cleanup (run %d), ipsets %q; want %q (kube-proxy's ipvs-mode sets gone, the others kept)", run, got, want)
 		}
 	}
 	nat := e.iptablesSave("nat")
@@ -241,4 +249,51 @@ func TestInitOnlySetsRouteLocalnet(t *testing.T) {
 			t.Errorf("after kpipe --init-only %s: route_localnet %s; want %s", c.flag, got, c.want)
 		}
 	}
+}
+
+// makeIPSets makes hash:ip ipsets in the node's namespace (an IPv6 one for a
+// KUBE-6- name), destroyed when the test ends if still there.
+func makeIPSets(t *testing.T, names ...string) {
+	t.Helper()
+	err := tb.InNamespace(tb.NodeNS, func() error {
+		for _, n := range names {
+			family := uint8(syscall.AF_INET)
+			if strings.HasPrefix(n, "KUBE-6-") {
+				family = syscall.AF_INET6
+			}
+			if err := netlink.IpsetCreate(n, "hash:ip", netlink.IpsetCreateOptions{Family: family}); err != nil {
+				return fmt.Errorf("create ipset %s: %w", n, err)
+			}
+		}
+		return nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		_ = tb.InNamespace(tb.NodeNS, func() error {
+			for _, n := range names {
+				_ = netlink.IpsetDestroy(n)
+			}
+			return nil
+		})
+	})
+}
+
+// nodeIPSets lists the ipsets in the node's namespace, sorted.
+func nodeIPSets(t *testing.T) []string {
+	t.Helper()
+	var names []string
+	err := tb.InNamespace(tb.NodeNS, func() error {
+		sets, err := netlink.IpsetListAll()
+		for _, s := range sets {
+			names = append(names, s.SetName)
+		}
+		return err
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	slices.Sort(names)
+	return names
 }

@@ -223,7 +223,8 @@ func fullySynced(reports map[bus.StageName]bus.Report, families []bus.Family) bo
 }
 
 // cleanup is --cleanup: it removes every rule and chain of kube-proxy's iptables
-// mode (which are kpipe's too) in each family, and kube-proxy's nftables tables.
+// mode (which are kpipe's too) in each family, kube-proxy's nftables tables, and
+// its ipvs mode's kube-ipvs0 link and ipsets.
 // Any failure makes it return an error (exit 1), after trying everything.
 func cleanup(ctx context.Context, log *slog.Logger) error {
 	var errs []error
@@ -233,6 +234,10 @@ func cleanup(ctx context.Context, log *slog.Logger) error {
 		}
 	}
 	if err := nf.DeleteNFTablesKubeProxy(ctx); err != nil {
+		errs = append(errs, err)
+	}
+	// After the iptables rules, which may refer to the ipsets.
+	if err := nf.CleanupIPVS(); err != nil {
 		errs = append(errs, err)
 	}
 	if err := errors.Join(errs...); err != nil {
