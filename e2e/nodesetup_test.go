@@ -2,13 +2,17 @@ package e2e
 
 import (
 	"errors"
+	"fmt"
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 
+	"github.com/vishvananda/netlink"
 	corev1 "k8s.io/api/core/v1"
 
 	"github.com/kpipe/kpipe/e2e/testbed"
@@ -148,6 +152,7 @@ func TestCleanupRemovesKpipeRules(t *testing.T) {
 	if left := leftovers(t); len(left) == 0 {
 		t.Fatal("no kpipe chains before --cleanup: the check below could not fail")
 	}
+	makeIPSets(t, "KUBE-CLUSTER-IP", "KUBE-6-CLUSTER-IP", "KUBE-LOOP-BACK", "cni-other", "KUBE-NOT-KUBE-PROXYS")
 	for run := 1; run <= 2; run++ {
 		code, out := runKpipeOnce(t, "--cleanup")
 		if code != 0 {
@@ -155,6 +160,9 @@ func TestCleanupRemovesKpipeRules(t *testing.T) {
 		}
 		if left := leftovers(t); len(left) > 0 {
 			t.Errorf("after --cleanup (run %d), left:\n%s", run, strings.Join(left, "\n"))
+		}
+		if got, want := nodeIPSets(t), []string{"KUBE-NOT-KUBE-PROXYS", "cni-other"}; !slices.Equal(got, want) {
+			t.Errorf("after --cleanup (run %d), ipsets %q; want %q (kube-proxy's ipvs-mode sets gone, the others kept)", run, got, want)
 		}
 	}
 	nat := e.iptablesSave("nat")
@@ -202,4 +210,90 @@ func TestInitOnlySetsUpTheNode(t *testing.T) {
 	if strings.Contains(tables, "table ip kube-proxy") || !strings.Contains(tables, "table ip kpipetest-other") {
 		t.Errorf("nftables tables after --init-only:\n%s\nwant ip kube-proxy gone and ip kpipetest-other kept", tables)
 	}
+}
+
+const routeLocalnetSysctl = "/proc/sys/net/ipv4/conf/all/route_localnet"
+
+// kpipe --init-only sets route_localnet=1 in the node's namespace when NodePorts
+// answer on 127.0.0.1 (the default), as kube-proxy's --init-only does, so that
+// a daemon with CAP_NET_ADMIN alone can run after it; with
+// --iptables-localhost-nodeports=false it leaves it at 0. The daemon, which
+// sets it too, is stopped meanwhile.
+func TestInitOnlySetsRouteLocalnet(t *testing.T) {
+	e := setup(t)
+	keepNodeSysctl(t, routeLocalnetSysctl)
+	e.restoreKpipeAtEnd()
+	if err := e.k.Stop(); err != nil {
+		t.Fatalf("stop kpipe: %v", err)
+	}
+	routeLocalnet := func() string {
+		t.Helper()
+		v, err := tb.Exec(tb.NodeNS, "cat", routeLocalnetSysctl)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return strings.TrimSpace(v)
+	}
+	if out, err := tb.Exec(tb.NodeNS, "sh", "-c", "echo 0 > "+routeLocalnetSysctl); err != nil {
+		t.Fatalf("set route_localnet=0: %v %s", err, out)
+	}
+	common := []string{"--init-only", "--kubeconfig=" + tb.Kubeconfig, "--hostname-override=" + testbed.NodeName, "--conntrack-max-per-core=0"}
+	for _, c := range []struct {
+		flag, want string
+	}{{"--iptables-localhost-nodeports=false", "0"}, {"--iptables-localhost-nodeports=true", "1"}} {
+		code, out := runKpipeOnce(t, append(common, c.flag)...)
+		if code != 0 {
+			t.Fatalf("kpipe --init-only %s: exit %d:\n%s", c.flag, code, out)
+		}
+		if got := routeLocalnet(); got != c.want {
+			t.Errorf("after kpipe --init-only %s: route_localnet %s; want %s", c.flag, got, c.want)
+		}
+	}
+}
+
+// makeIPSets makes hash:ip ipsets in the node's namespace (an IPv6 one for a
+// KUBE-6- name), destroyed when the test ends if still there.
+func makeIPSets(t *testing.T, names ...string) {
+	t.Helper()
+	err := tb.InNamespace(tb.NodeNS, func() error {
+		for _, n := range names {
+			family := uint8(syscall.AF_INET)
+			if strings.HasPrefix(n, "KUBE-6-") {
+				family = syscall.AF_INET6
+			}
+			if err := netlink.IpsetCreate(n, "hash:ip", netlink.IpsetCreateOptions{Family: family}); err != nil {
+				return fmt.Errorf("create ipset %s: %w", n, err)
+			}
+		}
+		return nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		_ = tb.InNamespace(tb.NodeNS, func() error {
+			for _, n := range names {
+				_ = netlink.IpsetDestroy(n)
+			}
+			return nil
+		})
+	})
+}
+
+// nodeIPSets lists the ipsets in the node's namespace, sorted.
+func nodeIPSets(t *testing.T) []string {
+	t.Helper()
+	var names []string
+	err := tb.InNamespace(tb.NodeNS, func() error {
+		sets, err := netlink.IpsetListAll()
+		for _, s := range sets {
+			names = append(names, s.SetName)
+		}
+		return err
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	slices.Sort(names)
+	return names
 }

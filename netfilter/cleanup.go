@@ -5,9 +5,12 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"os"
 	"os/exec"
 	"strings"
 	"time"
+
+	"github.com/vishvananda/netlink"
 )
 
 // fixedChains are, per table, the fixed chains kube-proxy's iptables mode (and
@@ -132,4 +135,94 @@ func runNFT(ctx context.Context, args ...string) ([]byte, error) {
 		return out, fmt.Errorf("nft %s: %w: %s", strings.Join(args, " "), err, strings.TrimSpace(stderr.String()))
 	}
 	return out, nil
+}
+
+// IPVSDummyLink is the dummy link kube-proxy's ipvs mode puts service addresses on.
+const IPVSDummyLink = "kube-ipvs0"
+
+// ipvsIPSets are the ipsets kube-proxy's ipvs mode makes (pkg/proxy/ipvs,
+// v1.34), by their IPv4 names.
+var ipvsIPSets = []string{
+	"KUBE-LOOP-BACK", "KUBE-CLUSTER-IP", "KUBE-EXTERNAL-IP", "KUBE-EXTERNAL-IP-LOCAL",
+	"KUBE-LOAD-BALANCER", "KUBE-LOAD-BALANCER-FW", "KUBE-LOAD-BALANCER-LOCAL",
+	"KUBE-LOAD-BALANCER-SOURCE-IP", "KUBE-LOAD-BALANCER-SOURCE-CIDR",
+	"KUBE-NODE-PORT-TCP", "KUBE-NODE-PORT-LOCAL-TCP", "KUBE-NODE-PORT-UDP", "KUBE-NODE-PORT-LOCAL-UDP",
+	"KUBE-NODE-PORT-SCTP-HASH", "KUBE-NODE-PORT-LOCAL-SCTP-HASH", "KUBE-HEALTH-CHECK-NODE-PORT", "KUBE-IPVS-IPS",
+}
+
+// kubeProxyIPSet says whether name is one of kube-proxy's ipsets: an IPv4 name
+// of ipvsIPSets, or its IPv6 twin, whose "KUBE-" kube-proxy makes "KUBE-6-"
+// and cuts to the kernel's 31 characters.
+func kubeProxyIPSet(name string) bool {
+	for _, v4 := range ipvsIPSets {
+		v6 := "KUBE-6-" + strings.TrimPrefix(v4, "KUBE-")
+		if name == v4 || name == v6[:min(len(v6), 31)] {
+			return true
+		}
+	}
+	return false
+}
+
+// CleanupIPVS removes what kube-proxy's ipvs mode leaves in this network
+// namespace, as kube-proxy's --cleanup does: the kube-ipvs0 dummy link and
+// kube-proxy's ipsets, where they exist; nothing else. The ipsets go after the
+// iptables rules (Tool.Cleanup), which may refer to them. kube-proxy also
+// flushes every IPVS virtual server; kpipe has no IPVS client and leaves them.
+func CleanupIPVS() error {
+	return errors.Join(removeIPVSLink(netlinkLinks{}), destroyKubeProxyIPSets())
+}
+
+// links is what removeIPVSLink needs of netlink; tests fake it.
+type links interface {
+	LinkByName(name string) (netlink.Link, error)
+	LinkDel(link netlink.Link) error
+}
+
+type netlinkLinks struct{}
+
+func (netlinkLinks) LinkByName(name string) (netlink.Link, error) { return netlink.LinkByName(name) }
+func (netlinkLinks) LinkDel(link netlink.Link) error              { return netlink.LinkDel(link) }
+
+// removeIPVSLink deletes kube-ipvs0 if it is there and a dummy link. One of
+// another type is not kube-proxy's: it stays, and that is an error, as in
+// kube-proxy.
+func removeIPVSLink(l links) error {
+	link, err := l.LinkByName(IPVSDummyLink)
+	var notFound netlink.LinkNotFoundError
+	if errors.As(err, &notFound) {
+		return nil
+	}
+	if err != nil {
+		return fmt.Errorf("look up %s: %w", IPVSDummyLink, err)
+	}
+	if link.Type() != "dummy" {
+		return fmt.Errorf("%s is a %s link, not kube-proxy's dummy: left alone", IPVSDummyLink, link.Type())
+	}
+	if err := l.LinkDel(link); err != nil {
+		return fmt.Errorf("delete %s: %w", IPVSDummyLink, err)
+	}
+	return nil
+}
+
+// ipsetModule is there when the kernel has ipsets; without, none can exist.
+const ipsetModule = "/sys/module/ip_set"
+
+// destroyKubeProxyIPSets destroys kube-proxy's ipsets that exist.
+func destroyKubeProxyIPSets() error {
+	if _, err := os.Stat(ipsetModule); err != nil {
+		return nil
+	}
+	sets, err := netlink.IpsetListAll()
+	if err != nil {
+		return fmt.Errorf("list ipsets: %w", err)
+	}
+	var errs []error
+	for _, s := range sets {
+		if kubeProxyIPSet(s.SetName) {
+			if err := netlink.IpsetDestroy(s.SetName); err != nil {
+				errs = append(errs, fmt.Errorf("destroy ipset %s: %w", s.SetName, err))
+			}
+		}
+	}
+	return errors.Join(errs...)
 }

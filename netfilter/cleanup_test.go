@@ -2,10 +2,14 @@ package netfilter
 
 import (
 	"context"
+	"fmt"
 	"slices"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
+
+	"github.com/vishvananda/netlink"
 
 	"github.com/kpipe/kpipe/bus"
 	"github.com/kpipe/kpipe/netfilter/netnstest"
@@ -144,4 +148,158 @@ func TestDeleteNFTablesKubeProxyLeavesOtherTables(t *testing.T) {
 		}
 		return DeleteNFTablesKubeProxy(ctx) // nothing left to do: no error
 	})
+}
+
+// CleanupIPVS removes kube-proxy's ipsets (IPv4 names and their KUBE-6- IPv6
+// twins, one cut to 31 characters), as its --cleanup does; another agent's ipset,
+// a KUBE- ipset kube-proxy never makes and another link stay. A second run finds
+// nothing to do.
+func TestCleanupIPVSRemovesKubeProxysIPSets(t *testing.T) {
+	netnstest.RequireRoot(t)
+	ns := netnstest.New(t)
+	ns.Run(t, func() error {
+		if err := netlink.LinkAdd(&netlink.Bridge{LinkAttrs: netlink.LinkAttrs{Name: "other0"}}); err != nil {
+			t.Fatalf("add bridge other0: %v", err)
+		}
+		sets := []struct {
+			name, kind string
+			opts       netlink.IpsetCreateOptions
+		}{
+			{"KUBE-CLUSTER-IP", "hash:ip,port", netlink.IpsetCreateOptions{Family: syscall.AF_INET}},
+			{"KUBE-6-CLUSTER-IP", "hash:ip,port", netlink.IpsetCreateOptions{Family: syscall.AF_INET6}},
+			{"KUBE-6-LOAD-BALANCER-SOURCE-CID", "hash:ip,port,net", netlink.IpsetCreateOptions{Family: syscall.AF_INET6}},
+			{"KUBE-NODE-PORT-TCP", "bitmap:port", netlink.IpsetCreateOptions{PortFrom: 0, PortTo: 65535}},
+			{"KUBE-LOOP-BACK", "hash:ip,port,ip", netlink.IpsetCreateOptions{Family: syscall.AF_INET}},
+			{"other-agent", "hash:ip", netlink.IpsetCreateOptions{Family: syscall.AF_INET}},
+			{"KUBE-SOMEONE-ELSE", "hash:ip", netlink.IpsetCreateOptions{Family: syscall.AF_INET}},
+		}
+		for _, s := range sets {
+			if err := netlink.IpsetCreate(s.name, s.kind, s.opts); err != nil {
+				netnstest.Unavailable(t, fmt.Sprintf("create ipset %s (%s): %v", s.name, s.kind, err))
+			}
+		}
+		if got := ipsetNames(t); len(got) != len(sets) {
+			t.Fatalf("ipsets before cleanup %q: the check below could not fail", got)
+		}
+		for run := 1; run <= 2; run++ {
+			if err := CleanupIPVS(); err != nil {
+				t.Errorf("run %d: %v", run, err)
+			}
+			if got, want := ipsetNames(t), []string{"KUBE-SOMEONE-ELSE", "other-agent"}; !slices.Equal(got, want) {
+				t.Errorf("run %d: ipsets %q; want %q", run, got, want)
+			}
+			if got, want := linkNames(t), []string{"lo", "other0"}; !slices.Equal(got, want) {
+				t.Errorf("run %d: links %q; want %q", run, got, want)
+			}
+		}
+		return nil
+	})
+}
+
+// CleanupIPVS deletes a kube-ipvs0 dummy link and leaves another dummy. Needs a
+// kernel with dummy links (this test bed's has none: then a skip; the fake in
+// TestRemoveIPVSLink covers the decision).
+func TestCleanupIPVSRemovesTheDummyLink(t *testing.T) {
+	netnstest.RequireRoot(t)
+	ns := netnstest.New(t)
+	ns.Run(t, func() error {
+		for _, name := range []string{IPVSDummyLink, "other0"} {
+			if err := netlink.LinkAdd(&netlink.Dummy{LinkAttrs: netlink.LinkAttrs{Name: name}}); err != nil {
+				t.Skipf("this kernel makes no dummy link: %v", err)
+			}
+		}
+		if err := CleanupIPVS(); err != nil {
+			t.Error(err)
+		}
+		if got, want := linkNames(t), []string{"lo", "other0"}; !slices.Equal(got, want) {
+			t.Errorf("links %q; want %q", got, want)
+		}
+		return nil
+	})
+}
+
+// A kube-ipvs0 that is not a dummy link is not kube-proxy's: it stays, and
+// CleanupIPVS says so.
+func TestCleanupIPVSLeavesAKubeIPVS0ThatIsNotADummy(t *testing.T) {
+	netnstest.RequireRoot(t)
+	ns := netnstest.New(t)
+	ns.Run(t, func() error {
+		if err := netlink.LinkAdd(&netlink.Bridge{LinkAttrs: netlink.LinkAttrs{Name: IPVSDummyLink}}); err != nil {
+			t.Fatal(err)
+		}
+		if err := CleanupIPVS(); err == nil || !strings.Contains(err.Error(), IPVSDummyLink) {
+			t.Errorf("CleanupIPVS with a bridge named %s: %v; want an error naming it", IPVSDummyLink, err)
+		}
+		if got := linkNames(t); !slices.Contains(got, IPVSDummyLink) {
+			t.Errorf("links %q: the bridge %s was removed", got, IPVSDummyLink)
+		}
+		return nil
+	})
+}
+
+// fakeLinks is a netlink with one link (or none).
+type fakeLinks struct {
+	link    netlink.Link
+	deleted []string
+}
+
+func (f *fakeLinks) LinkByName(name string) (netlink.Link, error) {
+	if f.link == nil || f.link.Attrs().Name != name {
+		return nil, netlink.LinkNotFoundError{}
+	}
+	return f.link, nil
+}
+
+func (f *fakeLinks) LinkDel(l netlink.Link) error {
+	f.deleted = append(f.deleted, l.Attrs().Name)
+	return nil
+}
+
+// kube-ipvs0 is deleted when it is a dummy; none is no error, nor another
+// dummy; kube-ipvs0 of another type is not kube-proxy's: kept, and an error
+// naming it.
+func TestRemoveIPVSLink(t *testing.T) {
+	attrs := netlink.LinkAttrs{Name: IPVSDummyLink}
+	for _, c := range []struct {
+		link    netlink.Link
+		deleted []string
+		err     bool
+	}{
+		{&netlink.Dummy{LinkAttrs: attrs}, []string{IPVSDummyLink}, false},
+		{nil, nil, false},
+		{&netlink.Dummy{LinkAttrs: netlink.LinkAttrs{Name: "other0"}}, nil, false},
+		{&netlink.Bridge{LinkAttrs: attrs}, nil, true},
+	} {
+		f := &fakeLinks{link: c.link}
+		err := removeIPVSLink(f)
+		if !slices.Equal(f.deleted, c.deleted) || (err != nil) != c.err || err != nil && !strings.Contains(err.Error(), IPVSDummyLink) {
+			t.Errorf("link %v: deleted %q, err %v; want deleted %q, error %v naming %s", c.link, f.deleted, err, c.deleted, c.err, IPVSDummyLink)
+		}
+	}
+}
+
+func linkNames(t *testing.T) []string {
+	t.Helper()
+	links, err := netlink.LinkList()
+	return sortedNames(t, links, err, func(l netlink.Link) string { return l.Attrs().Name })
+}
+
+func ipsetNames(t *testing.T) []string {
+	t.Helper()
+	sets, err := netlink.IpsetListAll()
+	return sortedNames(t, sets, err, func(s netlink.IPSetResult) string { return s.SetName })
+}
+
+// sortedNames is the names of a listing, sorted; a listing that failed ends the test.
+func sortedNames[T any](t *testing.T, list []T, err error, name func(T) string) []string {
+	t.Helper()
+	if err != nil {
+		t.Fatal(err)
+	}
+	var names []string
+	for _, x := range list {
+		names = append(names, name(x))
+	}
+	slices.Sort(names)
+	return names
 }

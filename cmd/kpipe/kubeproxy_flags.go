@@ -34,7 +34,7 @@ func (o *Options) addKubeProxyFlags(fs *pflag.FlagSet) {
 	fs.IntVarP(&o.Verbosity, "v", "v", o.Verbosity, "kube-proxy's log verbosity: 0-3 is --log-level=info, 4 and more is debug (unless --log-level is given).")
 	fs.StringVar(&o.LogFormat, "logging-format", o.LogFormat, "kube-proxy's name for --log-format.")
 	fs.BoolVar(&o.Cleanup, "cleanup", o.Cleanup, "Remove every rule and chain kube-proxy's iptables mode (or kpipe) made, and kube-proxy's nftables tables, then exit (1 if anything could not be removed).")
-	fs.BoolVar(&o.InitOnly, "init-only", o.InitOnly, "Set the node up (conntrack sysctls, OOM score) and exit.")
+	fs.BoolVar(&o.InitOnly, "init-only", o.InitOnly, "Set the node up (conntrack sysctls, route_localnet for NodePorts on 127.0.0.1; kube-proxy's nftables tables removed) and exit, so that kpipe can then run with CAP_NET_ADMIN alone.")
 	fs.Var(&o.version, "version", "--version prints kpipe's version and exits, --version=raw every field of its build.")
 	fs.Lookup("version").NoOptDefVal = string(versionLine)
 	c := &o.Conntrack

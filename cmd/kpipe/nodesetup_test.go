@@ -2,10 +2,13 @@ package main
 
 import (
 	"context"
+	"fmt"
 	"io"
 	"log/slog"
 	"os"
+	"os/exec"
 	"path/filepath"
+	"runtime"
 	"slices"
 	"strings"
 	"testing"
@@ -20,10 +23,17 @@ import (
 func tempNodeHost(t *testing.T, cpus int) nodeHost {
 	t.Helper()
 	dir := t.TempDir()
-	if err := os.MkdirAll(filepath.Join(dir, "sys/net/netfilter"), 0o755); err != nil {
+	for _, d := range []string{"sys/net/netfilter", "sys/net/ipv4/conf/all"} {
+		if err := os.MkdirAll(filepath.Join(dir, d), 0o755); err != nil {
+			t.Fatal(err)
+		}
+	}
+	// A hashsize larger than any nf_conntrack_max/4 the tests set: left alone.
+	if err := os.WriteFile(filepath.Join(dir, "hashsize"), []byte("1048576\n"), 0o644); err != nil {
 		t.Fatal(err)
 	}
-	return nodeHost{sysctls: nf.Sysctls{Root: filepath.Join(dir, "sys")}, oomScoreAdjFile: filepath.Join(dir, "oom_score_adj"), cpus: func() int { return cpus }}
+	return nodeHost{sysctls: nf.Sysctls{Root: filepath.Join(dir, "sys")}, oomScoreAdjFile: filepath.Join(dir, "oom_score_adj"),
+		hashsizeFile: filepath.Join(dir, "hashsize"), cpus: func() int { return cpus }}
 }
 
 func discard() *slog.Logger { return slog.New(slog.NewTextHandler(io.Discard, nil)) }
@@ -208,5 +218,177 @@ func TestRemoveNFTablesModeNotWhenStoppedBeforeSync(t *testing.T) {
 	case <-done:
 	case <-time.After(5 * time.Second):
 		t.Fatal("still waiting after its context ended")
+	}
+}
+
+// hashsizeOf reads back the fake node's conntrack hashsize.
+func hashsizeOf(t *testing.T, h nodeHost) string {
+	t.Helper()
+	b, err := os.ReadFile(h.hashsizeFile)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return strings.TrimSpace(string(b))
+}
+
+// nf_conntrack_max is maxPerCore times the CPUs (at least min) and the
+// conntrack hashsize is raised to a quarter of it when lower, as kube-proxy
+// does; a hashsize already as large or larger is left alone.
+func TestNodeSetUpRaisesTheConntrackHashsize(t *testing.T) {
+	o := defaultOptions() // 32768 per core, at least 131072
+	for _, c := range []struct {
+		cpus           int
+		hashsize, want string
+		nfConntrackMax string
+	}{
+		{cpus: 8, hashsize: "16384", want: "65536", nfConntrackMax: "262144"},
+		{cpus: 2, hashsize: "16384", want: "32768", nfConntrackMax: "131072"},   // min: 131072/4
+		{cpus: 8, hashsize: "65536", want: "65536", nfConntrackMax: "262144"},   // already max/4
+		{cpus: 8, hashsize: "524288", want: "524288", nfConntrackMax: "262144"}, // never lowered
+	} {
+		h := tempNodeHost(t, c.cpus)
+		if err := os.WriteFile(h.hashsizeFile, []byte(c.hashsize+"\n"), 0o644); err != nil {
+			t.Fatal(err)
+		}
+		if failed := setUpNode(o, h, discard()); len(failed) != 0 {
+			t.Errorf("%d CPUs: writes failed: %v", c.cpus, failed)
+		}
+		if got := sysctlsOf(t, h)["nf_conntrack_max"]; got != c.nfConntrackMax {
+			t.Errorf("%d CPUs: nf_conntrack_max %s; want %s", c.cpus, got, c.nfConntrackMax)
+		}
+		if got := hashsizeOf(t, h); got != c.want {
+			t.Errorf("%d CPUs, hashsize %s: hashsize now %s; want %s", c.cpus, c.hashsize, got, c.want)
+		}
+	}
+}
+
+// A hashsize that cannot be raised (a read-only /sys, a network namespace other
+// than the host's) is a failed step, as a sysctl is; maxPerCore 0 leaves both
+// nf_conntrack_max and the hashsize alone.
+func TestNodeSetUpHashsizeFailureAndMaxPerCoreZero(t *testing.T) {
+	o := defaultOptions()
+	h := tempNodeHost(t, 8)
+	h.hashsizeFile = filepath.Join(h.sysctls.Root, "no/such/hashsize")
+	var steps []string
+	for _, f := range setUpNode(o, h, discard()) {
+		steps = append(steps, f.Step)
+	}
+	if want := []string{"SetConntrackHashsize"}; !slices.Equal(steps, want) {
+		t.Errorf("failed steps %q; want %q", steps, want)
+	}
+
+	o.Conntrack.MaxPerCore = 0
+	h = tempNodeHost(t, 8)
+	if err := os.WriteFile(h.hashsizeFile, []byte("1024"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	setUpNode(o, h, discard())
+	if got := hashsizeOf(t, h); got != "1024" {
+		t.Errorf("maxPerCore 0: hashsize %s; want 1024 left alone", got)
+	}
+}
+
+// CPU lists as the kernel writes them in /sys/devices/system/cpu/online.
+func TestCountCPUList(t *testing.T) {
+	for list, want := range map[string]int{"0": 1, "0-3": 4, "0-3,5": 5, "0,2,4-7\n": 6, "0-63": 64, "1-2,4-5,8": 5} {
+		if got, err := countCPUList(list); err != nil || got != want {
+			t.Errorf("countCPUList(%q) = %d, %v; want %d", list, got, err, want)
+		}
+	}
+	for _, bad := range []string{"", "\n", "a", "3-1", "0-", "-3", "0,,1", "0-1-2"} {
+		if got, err := countCPUList(bad); err == nil {
+			t.Errorf("countCPUList(%q) = %d; want an error", bad, got)
+		}
+	}
+}
+
+// The CPUs are counted from the file given, falling back to the ones Go sees
+// when it is missing or unreadable.
+func TestOnlineCPUs(t *testing.T) {
+	file := filepath.Join(t.TempDir(), "online")
+	if err := os.WriteFile(file, []byte("0-3,5\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if got := onlineCPUs(file); got != 5 {
+		t.Errorf("onlineCPUs(0-3,5) = %d; want 5", got)
+	}
+	if got := onlineCPUs(filepath.Join(t.TempDir(), "missing")); got != runtime.NumCPU() {
+		t.Errorf("onlineCPUs(missing file) = %d; want runtime.NumCPU() %d", got, runtime.NumCPU())
+	}
+}
+
+// Pinned to one CPU (a DaemonSet with a CPU set, taskset), kpipe still counts
+// the machine's CPUs, as kube-proxy does (kubernetes#99225): the affinity mask
+// is not the machine. The test runs itself again under taskset -c 0.
+func TestRealNodeHostCountsCPUsPastTheAffinityMask(t *testing.T) {
+	if os.Getenv("KPIPE_TEST_PRINT_CPUS") == "1" {
+		fmt.Printf("cpus=%d\n", realNodeHost.cpus())
+		return
+	}
+	online, err := os.ReadFile("/sys/devices/system/cpu/online")
+	if err != nil {
+		t.Skipf("no /sys/devices/system/cpu/online: %v", err)
+	}
+	machine, err := countCPUList(string(online))
+	if err != nil || machine < 2 {
+		t.Skipf("%d online CPUs (%v): pinning to one could not show a difference", machine, err)
+	}
+	taskset, err := exec.LookPath("taskset")
+	if err != nil {
+		t.Skip("no taskset")
+	}
+	cmd := exec.Command(taskset, "-c", "0", os.Args[0], "-test.run=^TestRealNodeHostCountsCPUsPastTheAffinityMask$")
+	cmd.Env = append(os.Environ(), "KPIPE_TEST_PRINT_CPUS=1")
+	out, err := cmd.CombinedOutput()
+	if err != nil {
+		t.Fatalf("%v: %s", err, out)
+	}
+	if want := fmt.Sprintf("cpus=%d\n", machine); !strings.Contains(string(out), want) {
+		t.Errorf("pinned to CPU 0: %q; want %q (the machine's online CPUs)", out, want)
+	}
+}
+
+// --init-only sets net.ipv4.conf.all.route_localnet=1 when IPv4 NodePorts answer
+// on 127.0.0.1, as kube-proxy's iptables mode does in its set-up, so a
+// CAP_NET_ADMIN-only daemon started after it does not need to; it leaves it
+// alone when they do not (turned off, or NodePort addresses without 127.0.0.1).
+func TestInitNodeSetsRouteLocalnet(t *testing.T) {
+	for _, c := range []struct {
+		args []string
+		want string
+	}{
+		{nil, "1"},
+		{[]string{"--nodeport-addresses=127.0.0.0/8,10.0.0.0/8"}, "1"},
+		{[]string{"--iptables-localhost-nodeports=false"}, "0"},
+		{[]string{"--nodeport-addresses=10.0.0.0/8"}, "0"},
+		{[]string{"--nodeport-addresses=primary"}, "0"},
+	} {
+		o, code, stderr := resolved(t, append([]string{"--init-only"}, c.args...)...)
+		if code != 0 {
+			t.Fatalf("%q: exit %d: %s", c.args, code, stderr)
+		}
+		h := tempNodeHost(t, 2)
+		if err := h.sysctls.Write(routeLocalnet, "0"); err != nil {
+			t.Fatal(err)
+		}
+		if err := initNode(o, h, discard()); err != nil {
+			t.Errorf("%q: %v", c.args, err)
+		}
+		if got, err := h.sysctls.Read(routeLocalnet); err != nil || got != c.want {
+			t.Errorf("%q: route_localnet %q (%v); want %q", c.args, got, err, c.want)
+		}
+	}
+}
+
+// A route_localnet --init-only cannot set is an error (exit 1), as in
+// kube-proxy: the daemon after it may lack the privilege to set it.
+func TestInitNodeFailsWhenRouteLocalnetCannotBeSet(t *testing.T) {
+	h := tempNodeHost(t, 2)
+	if err := os.MkdirAll(filepath.Join(h.sysctls.Root, routeLocalnet), 0o755); err != nil { // a directory: the write fails
+		t.Fatal(err)
+	}
+	err := initNode(defaultOptions(), h, discard())
+	if err == nil || !strings.Contains(err.Error(), "route_localnet") {
+		t.Errorf("initNode with an unwritable route_localnet: %v; want an error naming route_localnet", err)
 	}
 }

@@ -31,8 +31,10 @@ func serve(ctx context.Context, o *Options) error {
 		return cleanup(ctx, log)
 	}
 	if o.InitOnly {
-		setUpNode(o, realNodeHost, log)
 		removeNFTablesMode(ctx, log)
+		if err := initNode(o, realNodeHost, log); err != nil {
+			return err
+		}
 		log.Info("node set up (--init-only); exiting")
 		return nil
 	}
