@@ -16,9 +16,11 @@ import (
 // pod loops over a ClusterIP, the file is edited (replaced by rename, as an
 // editor or a config manager does) from masqueradeAll: false to true: the pod's
 // connections are masqueraded from then on, by the same process, and none
-// fails. Then an edit with an unknown field is rejected: kpipe goes on with the
-// previous configuration (still masqueraded, every time), counts the rejection
-// and records a Warning on its Node. Fixing the file applies it again.
+// fails. Then an edit with a field of the wrong type is rejected: kpipe goes on
+// with the previous configuration (still masqueraded, every time), counts the
+// rejection and records a Warning on its Node naming the field. An edit back to
+// masqueradeAll: false with an unknown field applies (decoded leniently, as
+// kube-proxy restarted on it would).
 func TestConfigFileEditTakesEffect(t *testing.T) {
 	e := setup(t)
 	path := configFile(t, kubeadmConfigText(t))
@@ -47,10 +49,14 @@ func TestConfigFileEditTakesEffect(t *testing.T) {
 	keepsAnswering(t, l, "after the edit")
 
 	rejected := time.Now()
-	replaceFile(t, path, strings.Replace(original, "masqueradeAll: false", "masqueradeAll: false\n  masqueradeEverything: true", 1))
+	wrongType := strings.Replace(original, "masqueradeBit: null", "masqueradeBit: fourteen", 1)
+	if wrongType == original {
+		t.Fatalf("no 'masqueradeBit: null' in the kubeadm config:\n%s", original)
+	}
+	replaceFile(t, path, wrongType)
 	ev := e.waitNodeEvent("ConfigReloadFailed", rejected)
-	if ev.Type != corev1.EventTypeWarning || !strings.Contains(ev.Note, "masqueradeEverything") {
-		t.Errorf("ConfigReloadFailed event: type %q note %q, want a Warning naming the unknown field", ev.Type, ev.Note)
+	if ev.Type != corev1.EventTypeWarning || !strings.Contains(ev.Note, "masqueradeBit") {
+		t.Errorf("ConfigReloadFailed event: type %q note %q, want a Warning naming the field of the wrong type", ev.Type, ev.Note)
 	}
 	if n := metricSum(t, "kpipe_config_reloads_total", map[string]string{"result": "failure"}); n != 1 {
 		t.Errorf("kpipe_config_reloads_total{result=failure} = %v, want 1", n)
@@ -76,9 +82,9 @@ func TestConfigFileEditTakesEffect(t *testing.T) {
 	t.Logf("rejected edit: 5 series of %d requests, every one masqueraded", samples(2))
 	keepsAnswering(t, l, "after the rejected edit")
 
-	replaceFile(t, path, original)
-	expectExactly(t, "masqueradeAll: false again, a pod keeps its source", tcp2, pod.NS, addr, podIPs(1, 2), pod.IPv4)
-	keepsAnswering(t, l, "after the fix")
+	replaceFile(t, path, original+"udpIdleTimeout: 250ms\n")
+	expectExactly(t, "masqueradeAll: false again (with an unknown field), a pod keeps its source", tcp2, pod.NS, addr, podIPs(1, 2), pod.IPv4)
+	keepsAnswering(t, l, "after the edit with an unknown field")
 
 	l.finishWithNoFailure(t, "connections across the config edits")
 	l = nil

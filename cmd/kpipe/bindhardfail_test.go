@@ -18,8 +18,9 @@ import (
 )
 
 // TestBindAddressHardFail: kube-proxy's bindAddressHardFail (file) and
-// --bind-address-hard-fail (flag, over the file) reach the options the health
-// stage is built from; kubeadm's file leaves it off.
+// --bind-address-hard-fail (flag, ignored beside a file, as in kube-proxy)
+// reach the options the health stage is built from; kubeadm's file leaves it
+// off.
 func TestBindAddressHardFail(t *testing.T) {
 	kubeadm := readKubeadmConfig(t)
 	hardFail := writeFile(t, strings.Replace(kubeadm, "bindAddressHardFail: false", "bindAddressHardFail: true", 1))
@@ -31,7 +32,7 @@ func TestBindAddressHardFail(t *testing.T) {
 		{"kubeadm file", []string{"--config=" + kubeadmConfig}, false},
 		{"file", []string{"--config=" + hardFail}, true},
 		{"flag", []string{"--bind-address-hard-fail"}, true},
-		{"flag over file", []string{"--config=" + hardFail, "--bind-address-hard-fail=false"}, false},
+		{"flag beside the file", []string{"--config=" + hardFail, "--bind-address-hard-fail=false"}, true},
 	} {
 		o, code, stderr := resolved(t, append(c.args, "--hostname-override=n")...)
 		if code != 0 {

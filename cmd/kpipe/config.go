@@ -3,6 +3,7 @@ package main
 import (
 	"cmp"
 	"fmt"
+	"log/slog"
 	"net"
 	"net/netip"
 	"os"
@@ -13,6 +14,7 @@ import (
 	"github.com/spf13/pflag"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/runtime"
+	"k8s.io/apimachinery/pkg/runtime/schema"
 	"k8s.io/apimachinery/pkg/runtime/serializer"
 	componentbaseconfig "k8s.io/component-base/config"
 	logsapi "k8s.io/component-base/logs/api/v1"
@@ -27,28 +29,58 @@ const (
 	metricsPort = 10249
 )
 
-// loadConfigFile reads a KubeProxyConfiguration strictly (an unknown or duplicate
-// field is an error naming it) and applies kube-proxy's defaults to its zero values.
-func loadConfigFile(path string) (*kubeproxy.KubeProxyConfiguration, error) {
+// applyConfigFile reads the --config file and sets the options from it.
+func (o *Options) applyConfigFile(fs *pflag.FlagSet) error {
+	c, strictErr, err := loadConfigFile(o.ConfigFile)
+	if err != nil {
+		return err
+	}
+	o.lenientDecode = strictErr
+	return o.applyConfig(c, fs)
+}
+
+// loadConfigFile reads a KubeProxyConfiguration as kube-proxy's loadConfig does
+// and applies kube-proxy's defaults to its zero values. It decodes strictly;
+// when only unknown or duplicate fields fail that (strictErr, which names
+// them), it decodes leniently: kube-proxy runs on such a file (older kubeadm
+// files have udpIdleTimeout). A field of the wrong type, another kind or
+// version, or no file is an error.
+func loadConfigFile(path string) (c *kubeproxy.KubeProxyConfiguration, strictErr, err error) {
 	data, err := os.ReadFile(path)
 	if err != nil {
-		return nil, usagef("--config: %v", err)
+		return nil, nil, usagef("--config: %v", err)
 	}
+	obj, gvk, err := decodeConfig(data, serializer.EnableStrict)
+	if runtime.IsStrictDecodingError(err) {
+		strictErr = fmt.Errorf("--config %s: %w", path, err)
+		obj, gvk, err = decodeConfig(data, serializer.DisableStrict)
+	}
+	if err != nil {
+		return nil, nil, usagef("--config %s: %v", path, err)
+	}
+	c, ok := obj.(*kubeproxy.KubeProxyConfiguration)
+	if !ok {
+		return nil, nil, usagef("--config %s: got %v, want kubeproxy.config.k8s.io/v1alpha1 KubeProxyConfiguration", path, gvk)
+	}
+	setConfigDefaults(c)
+	return c, strictErr, nil
+}
+
+// decodeConfig decodes data as a kube-proxy configuration, strictly or not.
+func decodeConfig(data []byte, strictness serializer.CodecFactoryOptionsMutator) (runtime.Object, *schema.GroupVersionKind, error) {
 	scheme := runtime.NewScheme()
 	if err := kubeproxy.AddToScheme(scheme); err != nil {
-		return nil, err
+		return nil, nil, err
 	}
-	codecs := serializer.NewCodecFactory(scheme, serializer.EnableStrict)
-	obj, gvk, err := codecs.UniversalDeserializer().Decode(data, nil, nil)
-	if err != nil {
-		return nil, usagef("--config %s: %v", path, err)
+	return serializer.NewCodecFactory(scheme, strictness).UniversalDeserializer().Decode(data, nil, nil)
+}
+
+// logLenientDecode says, at error level, which fields of the config file
+// strict decoding failed on: kpipe runs without them, as kube-proxy does.
+func (o *Options) logLenientDecode(log *slog.Logger) {
+	if o.lenientDecode != nil {
+		log.Error("config file decoded leniently: running without the fields strict decoding failed on", "err", o.lenientDecode)
 	}
-	cfg, ok := obj.(*kubeproxy.KubeProxyConfiguration)
-	if !ok {
-		return nil, usagef("--config %s: got %v, want kubeproxy.config.k8s.io/v1alpha1 KubeProxyConfiguration", path, gvk)
-	}
-	setConfigDefaults(cfg)
-	return cfg, nil
 }
 
 // setConfigDefaults gives zero values kube-proxy's defaults, as upstream's
@@ -118,46 +150,56 @@ func withDefaultPort(addr string, port int) string {
 	return addr
 }
 
-// applyConfig sets the options from a defaulted configuration, except those whose
-// flag was given on the command line: flags override the file.
+// applyConfig sets the options from a defaulted configuration. As in
+// kube-proxy, the file is the configuration: the flags that set its fields are
+// ignored. Only --hostname-override and the logging flags apply over it
+// (--master and kpipe's own flags have no field in it).
 func (o *Options) applyConfig(c *kubeproxy.KubeProxyConfiguration, fs *pflag.FlagSet) error {
 	if c.Mode != "" && c.Mode != "iptables" {
 		return usagef("--config: mode %q is not supported: kpipe implements only the 'iptables' mode", c.Mode)
 	}
 	o.file = c
-	set := func(flag string, apply func()) {
-		if !fs.Changed(flag) {
-			apply()
-		}
+	o.Kubeconfig = c.ClientConnection.Kubeconfig
+	o.KubeAPIQPS, o.KubeAPIBurst = c.ClientConnection.QPS, int(c.ClientConnection.Burst)
+	o.KubeAPIContentType = c.ClientConnection.ContentType
+	if o.HostnameOverride == "" { // kube-proxy: a non-empty flag wins
+		o.HostnameOverride = c.HostnameOverride
 	}
-	set("kubeconfig", func() { o.Kubeconfig = c.ClientConnection.Kubeconfig })
-	set("kube-api-qps", func() { o.KubeAPIQPS = c.ClientConnection.QPS })
-	set("kube-api-burst", func() { o.KubeAPIBurst = int(c.ClientConnection.Burst) })
-	set("kube-api-content-type", func() { o.KubeAPIContentType = c.ClientConnection.ContentType })
-	set("hostname-override", func() { o.HostnameOverride = c.HostnameOverride })
-	set("bind-address", func() { o.BindAddress = c.BindAddress })
-	set("bind-address-hard-fail", func() { o.BindAddressHardFail = c.BindAddressHardFail })
-	set("healthz-bind-address", func() { o.HealthzBindAddress = c.HealthzBindAddress })
-	set("metrics-bind-address", func() { o.MetricsBindAddress = c.MetricsBindAddress })
-	set("profiling", func() { o.EnableProfiling = c.EnableProfiling })
-	set("cluster-cidr", func() { o.ClusterCIDR = c.ClusterCIDR })
-	set("nodeport-addresses", func() { o.NodePortAddresses = c.NodePortAddresses })
-	set("proxy-mode", func() { o.ProxyMode = cmp.Or(string(c.Mode), "iptables") })
-	set("detect-local-mode", func() {
-		o.DetectLocalMode = string(c.DetectLocalMode)
-		if o.DetectLocalMode == "" {
-			o.DetectLocalMode = defaultOptions().DetectLocalMode
-		}
-	})
-	set("pod-bridge-interface", func() { o.PodBridgeInterface = c.DetectLocal.BridgeInterface })
-	set("pod-interface-name-prefix", func() { o.PodInterfaceprefix = c.DetectLocal.InterfaceNamePrefix })
-	set("masquerade-all", func() { o.MasqueradeAll = c.IPTables.MasqueradeAll })
-	set("iptables-masquerade-bit", func() { o.MasqueradeBit = int(*c.IPTables.MasqueradeBit) })
-	set("iptables-sync-period", func() { o.SyncPeriod = c.IPTables.SyncPeriod.Duration })
-	set("iptables-min-sync-period", func() { o.MinSyncPeriod = c.IPTables.MinSyncPeriod.Duration })
-	set("iptables-localhost-nodeports", func() { o.LocalhostNodePorts = *c.IPTables.LocalhostNodePorts })
-	set("feature-gates", func() { o.FeatureGates = c.FeatureGates })
-	o.applyConntrackConfig(c, set)
+	o.BindAddress, o.BindAddressHardFail = c.BindAddress, c.BindAddressHardFail
+	o.HealthzBindAddress, o.MetricsBindAddress = c.HealthzBindAddress, c.MetricsBindAddress
+	o.EnableProfiling = c.EnableProfiling
+	o.ClusterCIDR = c.ClusterCIDR
+	o.NodePortAddresses = c.NodePortAddresses
+	o.ProxyMode = cmp.Or(string(c.Mode), "iptables")
+	o.DetectLocalMode = cmp.Or(string(c.DetectLocalMode), defaultOptions().DetectLocalMode)
+	o.PodBridgeInterface, o.PodInterfaceprefix = c.DetectLocal.BridgeInterface, c.DetectLocal.InterfaceNamePrefix
+	ipt := &c.IPTables
+	o.MasqueradeAll, o.MasqueradeBit = ipt.MasqueradeAll, int(*ipt.MasqueradeBit)
+	o.SyncPeriod, o.MinSyncPeriod = ipt.SyncPeriod.Duration, ipt.MinSyncPeriod.Duration
+	o.LocalhostNodePorts = *ipt.LocalhostNodePorts
+	o.FeatureGates = c.FeatureGates
+	o.applyConntrackConfig(c)
+	o.applyLoggingConfig(c, fs)
+	return nil
+}
+
+// applyConntrackConfig sets the node set-up options from the file. Its pointer
+// fields are never nil: setConfigDefaults gave an unset one kube-proxy's
+// default, and a set one keeps its value (zero included).
+func (o *Options) applyConntrackConfig(c *kubeproxy.KubeProxyConfiguration) {
+	ct := &c.Conntrack
+	o.Conntrack = ConntrackOptions{
+		MaxPerCore: *ct.MaxPerCore, Min: *ct.Min,
+		TCPEstablishedTimeout: ct.TCPEstablishedTimeout.Duration, TCPCloseWaitTimeout: ct.TCPCloseWaitTimeout.Duration,
+		TCPBeLiberal: ct.TCPBeLiberal, UDPTimeout: ct.UDPTimeout.Duration, UDPStreamTimeout: ct.UDPStreamTimeout.Duration,
+	}
+	o.OOMScoreAdj = *c.OOMScoreAdj
+}
+
+// applyLoggingConfig sets the log format and level from the file's logging
+// section, except where a logging flag was given: as in kube-proxy, those
+// apply over the file.
+func (o *Options) applyLoggingConfig(c *kubeproxy.KubeProxyConfiguration, fs *pflag.FlagSet) {
 	if !fs.Changed("log-format") && !fs.Changed("logging-format") && (c.Logging.Format == "json" || c.Logging.Format == "text") {
 		o.LogFormat = c.Logging.Format
 	}
@@ -167,22 +209,6 @@ func (o *Options) applyConfig(c *kubeproxy.KubeProxyConfiguration, fs *pflag.Fla
 			o.LogLevel = levelOfVerbosity(o.Verbosity)
 		}
 	}
-	return nil
-}
-
-// applyConntrackConfig sets the node set-up options from the file. Its pointer
-// fields are never nil: setConfigDefaults gave an unset one kube-proxy's
-// default, and a set one keeps its value (zero included).
-func (o *Options) applyConntrackConfig(c *kubeproxy.KubeProxyConfiguration, set func(string, func())) {
-	ct, oc := &c.Conntrack, &o.Conntrack
-	set("conntrack-max-per-core", func() { oc.MaxPerCore = *ct.MaxPerCore })
-	set("conntrack-min", func() { oc.Min = *ct.Min })
-	set("conntrack-tcp-timeout-established", func() { oc.TCPEstablishedTimeout = ct.TCPEstablishedTimeout.Duration })
-	set("conntrack-tcp-timeout-close-wait", func() { oc.TCPCloseWaitTimeout = ct.TCPCloseWaitTimeout.Duration })
-	set("conntrack-tcp-be-liberal", func() { oc.TCPBeLiberal = ct.TCPBeLiberal })
-	set("conntrack-udp-timeout", func() { oc.UDPTimeout = ct.UDPTimeout.Duration })
-	set("conntrack-udp-timeout-stream", func() { oc.UDPStreamTimeout = ct.UDPStreamTimeout.Duration })
-	set("oom-score-adj", func() { o.OOMScoreAdj = *c.OOMScoreAdj })
 }
 
 // levelOfVerbosity maps kube-proxy's klog verbosity onto kpipe's levels: kpipe's
@@ -209,7 +235,7 @@ func (o *Options) effectiveConfig() *kubeproxy.KubeProxyConfiguration {
 	if o.FeatureGates != nil {
 		c.FeatureGates = o.FeatureGates
 	}
-	c.HostnameOverride = o.HostnameOverride
+	c.HostnameOverride = o.givenHostname // kube-proxy's: not the machine's hostname, when neither flag nor file names one
 	c.BindAddress, c.BindAddressHardFail = o.BindAddress, o.BindAddressHardFail
 	c.HealthzBindAddress, c.MetricsBindAddress = o.HealthzBindAddress, o.MetricsBindAddress
 	c.EnableProfiling = o.EnableProfiling

@@ -10,6 +10,8 @@ import (
 	"testing"
 	"time"
 
+	"sigs.k8s.io/yaml"
+
 	"github.com/kpipe/kpipe/stages/render"
 )
 
@@ -174,45 +176,96 @@ func TestConfigFieldsMapOntoOptions(t *testing.T) {
 	})
 }
 
-func TestConfigUnknownFieldIsUsageError(t *testing.T) {
-	cfg := strings.Replace(readKubeadmConfig(t), "  masqueradeAll: false\n  masqueradeBit: null", "  masqueradeAll: false\n  masqueradeBitz: 3\n  masqueradeBit: null", 1)
-	_, code, stderr := resolved(t, "--config="+writeFile(t, cfg))
-	if code != 2 {
-		t.Errorf("exit %d; want 2", code)
+// kubeadmVariant is kubeadm's config.conf with old replaced by new, failing
+// the test if kubeadm's file has no old.
+func kubeadmVariant(t *testing.T, old, new string) string {
+	t.Helper()
+	kubeadm := readKubeadmConfig(t)
+	if !strings.Contains(kubeadm, old) {
+		t.Fatalf("kubeadm's config.conf has no %q", old)
 	}
-	if !strings.Contains(stderr, "masqueradeBitz") {
-		t.Errorf("message %q does not name the unknown field masqueradeBitz", stderr)
+	return strings.Replace(kubeadm, old, new, 1)
+}
+
+// A field kube-proxy's configuration does not have (udpIdleTimeout, from older
+// kubeadm files) or a key given twice fails strict decoding only: kpipe, as
+// kube-proxy's loadConfig, decodes the file leniently and runs with the rest of
+// it. The strict error, naming the field, is kept for the log.
+func TestConfigUnknownOrDuplicateFieldIsDecodedLeniently(t *testing.T) {
+	for _, tt := range []struct{ name, content, field string }{
+		{"unknown field", readKubeadmConfig(t) + "udpIdleTimeout: 250ms\n", "udpIdleTimeout"},
+		{"unknown nested field", kubeadmVariant(t, "  masqueradeAll: false\n", "  masqueradeAll: true\n  masqueradeEverything: true\n"), "masqueradeEverything"},
+		{"duplicate key", readKubeadmConfig(t) + "hostnameOverride: \"\"\n", "hostnameOverride"},
+	} {
+		o, code, stderr := resolved(t, "--config="+writeFile(t, tt.content), "--hostname-override=n1")
+		if code != 0 {
+			t.Errorf("%s: exit %d; want kpipe to run with the file decoded leniently: %s", tt.name, code, stderr)
+			continue
+		}
+		checkOptions(t, o, map[string]any{"ClusterCIDR": "10.244.0.0/16", "Kubeconfig": "/var/lib/kube-proxy/kubeconfig.conf",
+			"MasqueradeAll": tt.field == "masqueradeEverything"})
+		if o.lenientDecode == nil || !strings.Contains(o.lenientDecode.Error(), tt.field) {
+			t.Errorf("%s: strict decoding error %v; want one naming %s", tt.name, o.lenientDecode, tt.field)
+		}
+	}
+	o, code, stderr := resolved(t, "--config="+kubeadmConfig, "--hostname-override=n1")
+	if code != 0 || o.lenientDecode != nil {
+		t.Errorf("kubeadm's own file: exit %d, strict decoding error %v; want it decoded strictly: %s", code, o.lenientDecode, stderr)
 	}
 }
 
+// What lenient decoding cannot read, or a file of another kind or version, or
+// no file at all, is still an error naming what is wrong.
 func TestConfigRejectsBadFiles(t *testing.T) {
 	tests := []struct{ name, content, mention string }{
-		{"other mode", strings.Replace(readKubeadmConfig(t), `mode: ""`, "mode: ipvs", 1), "ipvs"},
-		{"other kind", strings.Replace(readKubeadmConfig(t), "kind: KubeProxyConfiguration", "kind: KubeletConfiguration", 1), "KubeletConfiguration"},
+		{"wrong type", kubeadmVariant(t, "masqueradeAll: false", "masqueradeAll: sometimes"), "masqueradeAll"},
+		{"wrong kind", kubeadmVariant(t, "kind: KubeProxyConfiguration", "kind: KubeletConfiguration"), "KubeletConfiguration"},
+		{"wrong apiVersion", kubeadmVariant(t, "apiVersion: kubeproxy.config.k8s.io/v1alpha1", "apiVersion: kubeproxy.config.k8s.io/v1beta1"), "v1beta1"},
+		{"other mode", kubeadmVariant(t, `mode: ""`, "mode: ipvs"), "ipvs"},
 		{"not yaml", "{{{", "config"},
-		{"duplicate field", readKubeadmConfig(t) + "clusterCIDR: 10.0.0.0/8\n", "clusterCIDR"},
 	}
 	for _, tt := range tests {
 		_, code, stderr := resolved(t, "--config="+writeFile(t, tt.content))
-		if code != 2 || !strings.Contains(stderr, tt.mention) {
-			t.Errorf("%s: exit %d, %q; want 2 naming %q", tt.name, code, stderr, tt.mention)
+		if code == 0 || !strings.Contains(stderr, tt.mention) {
+			t.Errorf("%s: exit %d, %q; want an error naming %q", tt.name, code, stderr, tt.mention)
 		}
 	}
-	if _, code, _ := resolved(t, "--config=/no/such/file"); code != 2 {
-		t.Errorf("missing file: exit %d; want 2", code)
+	if _, code, stderr := resolved(t, "--config=/no/such/file"); code == 0 || !strings.Contains(stderr, "/no/such/file") {
+		t.Errorf("missing file: exit %d, %q; want an error naming the file", code, stderr)
 	}
 }
 
-func TestConfigFlagsOverrideFile(t *testing.T) {
-	o, code, stderr := resolved(t, "--config="+kubeadmConfig, "--cluster-cidr=10.1.0.0/16", "--iptables-sync-period=10s",
-		"--kubeconfig=/flag.conf", "--metrics-bind-address=127.0.0.1:9000", "--v=4", "--kube-api-qps=7")
+// As kube-proxy: with --config, the file is the configuration. A flag that has
+// a field in the file is ignored, even if the file leaves that field out;
+// --hostname-override, --master and the logging flags apply over the file, and
+// kpipe's own flags (no field in the file) apply as without it.
+func TestConfigFileWinsOverFlags(t *testing.T) {
+	o, code, stderr := resolved(t, "--config="+kubeadmConfig,
+		// ignored:
+		"--iptables-min-sync-period=5s", "--iptables-sync-period=10s", "--cluster-cidr=10.1.0.0/16", "--kubeconfig=/flag.conf",
+		"--masquerade-all", "--iptables-masquerade-bit=3", "--metrics-bind-address=127.0.0.1:9000", "--healthz-bind-address=127.0.0.1:9001",
+		"--kube-api-qps=7", "--kube-api-burst=8", "--kube-api-content-type=application/json", "--conntrack-min=100", "--oom-score-adj=5",
+		"--feature-gates=SomeGate=true", "--bind-address-hard-fail", "--profiling", "--nodeport-addresses=primary",
+		"--detect-local-mode=NodeCIDR", "--iptables-localhost-nodeports=false",
+		// applied:
+		"--hostname-override=Node-A", "--master=https://192.0.2.2:6443", "--v=4", "--logging-format=json",
+		"--canary-interval=7s", "--iptables-writer=restore", "--enable-debug-handlers")
 	if code != 0 {
 		t.Fatalf("exit %d: %s", code, stderr)
 	}
-	checkOptions(t, o, map[string]any{"ClusterCIDR": "10.1.0.0/16", "SyncPeriod": 10 * time.Second, "Kubeconfig": "/flag.conf",
-		"MetricsBindAddress": "127.0.0.1:9000", "LogLevel": "debug", "KubeAPIQPS": float32(7),
-		// and the file still sets the rest:
-		"MinSyncPeriod": time.Second, "HealthzBindAddress": "0.0.0.0:10256"})
+	checkOptions(t, o, map[string]any{
+		"MinSyncPeriod": time.Second, "SyncPeriod": 30 * time.Second, "ClusterCIDR": "10.244.0.0/16",
+		"Kubeconfig": "/var/lib/kube-proxy/kubeconfig.conf", "MasqueradeAll": false, "MasqueradeBit": 14,
+		"MetricsBindAddress": "127.0.0.1:10249", "HealthzBindAddress": "0.0.0.0:10256",
+		"KubeAPIQPS": float32(5), "KubeAPIBurst": 10, "KubeAPIContentType": "application/vnd.kubernetes.protobuf",
+		"OOMScoreAdj": int32(-999), "FeatureGates": map[string]bool{}, "BindAddressHardFail": false, "EnableProfiling": false,
+		"NodePortAddresses": []string(nil), "DetectLocalMode": render.DetectClusterCIDR, "LocalhostNodePorts": true,
+		"HostnameOverride": "node-a", "Master": "https://192.0.2.2:6443", "LogLevel": "debug", "LogFormat": "json",
+		"CanaryInterval": 7 * time.Second, "IptablesWriter": "restore", "EnableDebugHandlers": true,
+	})
+	if o.Conntrack.Min != 128*1024 {
+		t.Errorf("conntrack min %d; want the file's (kube-proxy's default) 131072, not --conntrack-min", o.Conntrack.Min)
+	}
 }
 
 func TestBareIPBindAddressesGetDefaultPorts(t *testing.T) {
@@ -243,24 +296,75 @@ func TestBareIPBindAddressesGetDefaultPorts(t *testing.T) {
 	}
 }
 
+// writeConfigTo runs kpipe with args and --write-config-to, and returns the
+// path of the file written. The proxy must not run.
+func writeConfigTo(t *testing.T, args ...string) string {
+	t.Helper()
+	out := filepath.Join(t.TempDir(), "written.yaml")
+	ran := false
+	code, stderr := captureStderr(t, func() int {
+		return runWith(append(args, "--write-config-to="+out), func(context.Context, *Options) error { ran = true; return nil })
+	})
+	if code != 0 || ran {
+		t.Fatalf("%q: exit %d (ran the proxy: %v): %s", args, code, ran, stderr)
+	}
+	return out
+}
+
 // --write-config-to writes what kpipe would run with, and that file reads back
 // to the same options.
 func TestWriteConfigToRoundTrips(t *testing.T) {
-	out := filepath.Join(t.TempDir(), "effective.yaml")
-	ran := false
-	code, stderr := captureStderr(t, func() int {
-		return runWith([]string{"--config=" + kubeadmConfig, "--hostname-override=n1", "--masquerade-all", "--write-config-to=" + out},
-			func(context.Context, *Options) error { ran = true; return nil })
-	})
-	if code != 0 || ran {
-		t.Fatalf("exit %d (ran the proxy: %v): %s", code, ran, stderr)
-	}
+	out := writeConfigTo(t, "--kubeconfig=/var/lib/kube-proxy/kubeconfig.conf", "--cluster-cidr=10.244.0.0/16",
+		"--hostname-override=n1", "--masquerade-all")
 	o, code, stderr := resolved(t, "--config="+out)
 	if code != 0 {
 		t.Fatalf("reading the written config: exit %d: %s", code, stderr)
 	}
 	checkOptions(t, o, map[string]any{"HostnameOverride": "n1", "MasqueradeAll": true, "ClusterCIDR": "10.244.0.0/16",
 		"Kubeconfig": "/var/lib/kube-proxy/kubeconfig.conf", "SyncPeriod": 30 * time.Second, "MasqueradeBit": 14})
+}
+
+// As kube-proxy's, the written configuration (and /configz) has the
+// hostnameOverride the flag or the file gave, and none when neither did: a
+// file written once and shared by every node must not pin them all to the name
+// of the machine that wrote it.
+func TestWriteConfigToLeavesHostnameOverrideAsGiven(t *testing.T) {
+	for _, tt := range []struct {
+		name string
+		args []string
+		want string
+	}{
+		{"no flag, no file", nil, ""},
+		{"kubeadm's file", []string{"--config=" + kubeadmConfig}, ""},
+		{"flag", []string{"--hostname-override=Node-1"}, "node-1"},
+		{"flag over kubeadm's file", []string{"--config=" + kubeadmConfig, "--hostname-override=Node-1"}, "node-1"},
+		{"file", []string{"--config=" + writeFile(t, kubeadmVariant(t, `hostnameOverride: ""`, "hostnameOverride: from-file"))}, "from-file"},
+	} {
+		if got := readYAML(t, writeConfigTo(t, tt.args...))["hostnameOverride"]; got != tt.want {
+			t.Errorf("%s: --write-config-to wrote hostnameOverride %q; want %q", tt.name, got, tt.want)
+		}
+		o, code, stderr := resolved(t, tt.args...)
+		if code != 0 {
+			t.Fatalf("%s: exit %d: %s", tt.name, code, stderr)
+		}
+		if got := o.configz().HostnameOverride; got != tt.want {
+			t.Errorf("%s: /configz has HostnameOverride %q; want %q", tt.name, got, tt.want)
+		}
+	}
+}
+
+// readYAML returns the YAML document at path as a map.
+func readYAML(t *testing.T, path string) map[string]any {
+	t.Helper()
+	b, err := os.ReadFile(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var m map[string]any
+	if err := yaml.Unmarshal(b, &m); err != nil {
+		t.Fatalf("%s: %v", path, err)
+	}
+	return m
 }
 
 // kube-proxy's command line, as kube-proxy's own manifests and harnesses pass it.
@@ -331,8 +435,8 @@ contexts: [{name: x, context: {cluster: c, user: u}}]
 current-context: x
 `)
 	cfg := strings.NewReplacer("kubeconfig: /var/lib/kube-proxy/kubeconfig.conf", "kubeconfig: "+kubeconfig,
-		"qps: 0", "qps: 50", "burst: 0", "burst: 100").Replace(readKubeadmConfig(t))
-	o, code, stderr := resolved(t, "--config="+writeFile(t, cfg), "--kube-api-content-type=application/json", "--master=https://192.0.2.2:6443")
+		"qps: 0", "qps: 50", "burst: 0", "burst: 100", `contentType: ""`, "contentType: application/json").Replace(readKubeadmConfig(t))
+	o, code, stderr := resolved(t, "--config="+writeFile(t, cfg), "--master=https://192.0.2.2:6443")
 	if code != 0 {
 		t.Fatalf("exit %d: %s", code, stderr)
 	}
@@ -350,7 +454,7 @@ current-context: x
 // mode, and the result has the internal type's JSON shape (Go field names):
 // what kube-proxy's /configz shows.
 func TestToInternalIsKubeProxysConfigzShape(t *testing.T) {
-	c, err := loadConfigFile(writeFile(t, `apiVersion: kubeproxy.config.k8s.io/v1alpha1
+	c, strictErr, err := loadConfigFile(writeFile(t, `apiVersion: kubeproxy.config.k8s.io/v1alpha1
 kind: KubeProxyConfiguration
 featureGates: {SomeGate: true}
 clientConnection: {kubeconfig: /kc, acceptContentTypes: a/b, contentType: application/json, qps: 7, burst: 9}
@@ -377,8 +481,8 @@ portRange: 30000-30010
 winkernel: {networkName: net1, sourceVip: 1.2.3.4, enableDSR: true, rootHnsEndpointName: r, forwardHealthCheckVip: true}
 windowsRunAsService: true
 `))
-	if err != nil {
-		t.Fatal(err)
+	if err != nil || strictErr != nil {
+		t.Fatal(err, strictErr)
 	}
 	got, err := json.Marshal(toInternal(c))
 	if err != nil {
@@ -402,10 +506,12 @@ windowsRunAsService: true
 	}
 }
 
-// /configz shows the configuration kpipe runs with: the file's, flags over it,
-// kube-proxy's defaults (other modes' too) where both are silent.
+// /configz shows the configuration kpipe runs with: the file's, the flags
+// that apply over it, kube-proxy's defaults (other modes' too) where both are
+// silent.
 func TestConfigzIsTheEffectiveConfiguration(t *testing.T) {
-	o, code, stderr := resolved(t, "--config="+kubeadmConfig, "--hostname-override=n1", "--iptables-sync-period=10s", "--v=4")
+	cfg := writeFile(t, kubeadmVariant(t, "  syncPeriod: 0s\nipvs:", "  syncPeriod: 10s\nipvs:"))
+	o, code, stderr := resolved(t, "--config="+cfg, "--hostname-override=n1", "--v=4")
 	if code != 0 {
 		t.Fatalf("exit %d: %s", code, stderr)
 	}

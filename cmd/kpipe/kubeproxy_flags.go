@@ -21,7 +21,7 @@ var (
 // (--hostname_override is --hostname-override).
 func (o *Options) addKubeProxyFlags(fs *pflag.FlagSet) {
 	fs.SetNormalizeFunc(cliflag.WordSepNormalizeFunc)
-	fs.StringVar(&o.ConfigFile, "config", o.ConfigFile, "A kube-proxy configuration file (KubeProxyConfiguration, kubeproxy.config.k8s.io/v1alpha1); flags given on the command line override it.")
+	fs.StringVar(&o.ConfigFile, "config", o.ConfigFile, "A kube-proxy configuration file (KubeProxyConfiguration, kubeproxy.config.k8s.io/v1alpha1). As in kube-proxy, the flags that set its fields are then ignored: only the logging flags and --hostname-override apply over it.")
 	fs.StringVar(&o.WriteConfigTo, "write-config-to", o.WriteConfigTo, "Write the effective configuration to this file and exit.")
 	fs.StringVar(&o.Master, "master", o.Master, "The address of the apiserver (overrides the kubeconfig's).")
 	fs.StringVar(&o.BindAddress, "bind-address", o.BindAddress, "kube-proxy's bind address: accepted; in a --config file an IPv6 one makes the default health and metrics addresses IPv6.")
@@ -62,15 +62,11 @@ func (o *Options) addKubeProxyFlags(fs *pflag.FlagSet) {
 	}
 }
 
-// resolve merges the configuration file (if any) under the flags given on the
-// command line, and maps --v onto the log level.
+// resolve takes the configuration file (if any) over the flags given on the
+// command line (see applyConfig), and maps --v onto the log level.
 func (o *Options) resolve(fs *pflag.FlagSet) error {
 	if o.ConfigFile != "" {
-		c, err := loadConfigFile(o.ConfigFile)
-		if err != nil {
-			return err
-		}
-		if err := o.applyConfig(c, fs); err != nil {
+		if err := o.applyConfigFile(fs); err != nil {
 			return err
 		}
 	}

@@ -100,14 +100,14 @@ func TestNodeSetUpFromFlags(t *testing.T) {
 }
 
 // The configuration file's conntrack section and oomScoreAdj are used; a flag
-// given on the command line overrides the file.
+// given beside the file is ignored, as in kube-proxy.
 func TestNodeSetUpFromConfigFile(t *testing.T) {
 	cfg := writeFile(t, `apiVersion: kubeproxy.config.k8s.io/v1alpha1
 kind: KubeProxyConfiguration
 oomScoreAdj: -100
 conntrack:
   maxPerCore: 1000
-  min: 5000
+  min: 2000
   tcpEstablishedTimeout: 3h
   tcpCloseWaitTimeout: 30m
   tcpBeLiberal: true
@@ -124,7 +124,7 @@ conntrack:
 
 	// The effective configuration carries them back out.
 	c := o.effectiveConfig()
-	if *c.Conntrack.MaxPerCore != 1000 || *c.Conntrack.Min != 100 || c.Conntrack.TCPEstablishedTimeout.Duration != 3*time.Hour || *c.OOMScoreAdj != -100 {
+	if *c.Conntrack.MaxPerCore != 1000 || *c.Conntrack.Min != 2000 || c.Conntrack.TCPEstablishedTimeout.Duration != 3*time.Hour || *c.OOMScoreAdj != -100 {
 		t.Errorf("effective config %+v, oomScoreAdj %d", c.Conntrack, *c.OOMScoreAdj)
 	}
 }

@@ -58,6 +58,8 @@ type Options struct {
 	version         versionFlag // kube-proxy's --version: print and exit
 	ConfigFile      string
 	file            *kubeproxy.KubeProxyConfiguration // the --config file's, defaulted
+	lenientDecode   error                             // the strict decoding error of a --config file read leniently
+	givenHostname   string                            // the flag's or the file's hostnameOverride, before the hostname fills it in
 	WriteConfigTo   string
 	Verbosity       int
 	ignoredGiven    []string
@@ -232,6 +234,7 @@ func (o *Options) complete() error {
 	if o.KubeAPIQPS < 0 || o.KubeAPIBurst < 0 {
 		return usagef("--kube-api-qps and --kube-api-burst must not be negative")
 	}
+	o.givenHostname = strings.ToLower(strings.TrimSpace(o.HostnameOverride))
 	if o.HostnameOverride == "" {
 		h, err := os.Hostname()
 		if err != nil {

@@ -107,6 +107,14 @@ func (o *Options) reread() (*Options, error) {
 	return n, nil
 }
 
+// sameAs says whether o and p run the same configuration: the fields a
+// lenient decoding left out of the file do not count.
+func (o *Options) sameAs(p *Options) bool {
+	a, b := *o, *p
+	a.lenientDecode, b.lenientDecode = nil, nil
+	return reflect.DeepEqual(&a, &b)
+}
+
 // runReloading runs a tree built from o and d until ctx ends or the tree gives
 // up. Each time the config file changes into valid options that differ, it
 // makes the deps for them (reconfigure: a new apiserver client, the node set up
@@ -163,7 +171,10 @@ func runUntilReload(ctx context.Context, root *supervise.Supervisor, o *Options,
 			return nil, deps{}, err
 		case <-changed:
 			n, err := o.reread()
-			if err == nil && reflect.DeepEqual(n, o) {
+			if err == nil {
+				n.logLenientDecode(d.log)
+			}
+			if err == nil && n.sameAs(o) {
 				report.accepted(true)
 				continue
 			}

@@ -156,9 +156,10 @@ func (b *reloadBed) run(t *testing.T, next func(deps) deps) context.Context {
 
 // TestReloadRebuildsTheTree: kpipe, run from a config file in a ConfigMap
 // volume on a fake apiserver and kernel, takes masqueradeAll: true from an
-// update of the file without exiting; an update with an unknown field is
-// rejected (counted, a Warning event on the Node) and the rules stay as they
-// were; a valid update after it applies again.
+// update of the file without exiting; an update with a field of the wrong type
+// is rejected (counted, a Warning event on the Node naming it) and the rules
+// stay as they were; an update with an unknown field applies the rest of the
+// file, as kube-proxy restarted on it would (lenient decoding).
 func TestReloadRebuildsTheTree(t *testing.T) {
 	b := newReloadBed(t)
 	client, kernel, d, cm := b.client, b.kernel, &b.d, b.cm
@@ -181,9 +182,9 @@ func TestReloadRebuildsTheTree(t *testing.T) {
 		t.Errorf("%v successful reloads counted, want 1", n)
 	}
 
-	cm.update(reloadConfig + "  masqueradeAll: false\nmasqueradeEverything: true\n")
-	if e := waitNodeEvent(ctx, t, client, events.ReasonReloadFailed); e.Type != "Warning" || !strings.Contains(e.Note, "masqueradeEverything") {
-		t.Errorf("%s event: type %q, note %q; want a Warning naming the unknown field", e.Reason, e.Type, e.Note)
+	cm.update(reloadConfig + "  masqueradeAll: false\n  masqueradeBit: fourteen\n")
+	if e := waitNodeEvent(ctx, t, client, events.ReasonReloadFailed); e.Type != "Warning" || !strings.Contains(e.Note, "masqueradeBit") {
+		t.Errorf("%s event: type %q, note %q; want a Warning naming the field of the wrong type", e.Reason, e.Type, e.Note)
 	}
 	if n := testutil.ToFloat64(d.metrics.ConfigReloads.WithLabelValues(metrics.ReloadFailure)); n != 1 {
 		t.Errorf("%v failed reloads counted, want 1", n)
@@ -198,10 +199,13 @@ func TestReloadRebuildsTheTree(t *testing.T) {
 		time.Sleep(100 * time.Millisecond)
 	}
 
-	cm.update(reloadConfig)
-	waitNAT(t, kernel, "ns/web not masqueraded after masqueradeAll is dropped", func(nat []string) bool { return !masqueraded(nat) })
+	cm.update(reloadConfig + "udpIdleTimeout: 250ms\n")
+	waitNAT(t, kernel, "ns/web not masqueraded after masqueradeAll is dropped (with an unknown field)", func(nat []string) bool { return !masqueraded(nat) })
 	if v := testutil.ToFloat64(d.metrics.ConfigReloadSuccessful); v != 1 {
-		t.Errorf("kpipe_config_last_reload_successful = %v after a good file, want 1", v)
+		t.Errorf("kpipe_config_last_reload_successful = %v after a file with an unknown field, want 1", v)
+	}
+	if n := testutil.ToFloat64(d.metrics.ConfigReloads.WithLabelValues(metrics.ReloadSuccess)); n != 2 {
+		t.Errorf("%v successful reloads counted, want 2", n)
 	}
 	if n := afterSyncs.Load(); n != 1 {
 		t.Errorf("the after-first-sync step (removal of kube-proxy's nftables tables) ran %d times over three trees, want once", n)
@@ -280,4 +284,32 @@ func TestRejectedReloadLeavesTheNodeAlone(t *testing.T) {
 		t.Fatal("deps made for a kubeconfig that does not exist")
 	}
 	checkSysctls(t, sysctlsOf(t, h), map[string]string{})
+}
+
+// A change of the config file that only adds or changes fields strict decoding
+// fails on leaves the configuration as it was: no new tree for it.
+func TestReloadIgnoresFieldsLeftOutByLenientDecoding(t *testing.T) {
+	path := writeFile(t, reloadConfig)
+	optionsOf := func(content string) *Options {
+		t.Helper()
+		if err := os.WriteFile(path, []byte(content), 0o644); err != nil {
+			t.Fatal(err)
+		}
+		o, err := (&Options{args: []string{"--config=" + path}}).reread()
+		if err != nil {
+			t.Fatal(err)
+		}
+		return o
+	}
+	clean := optionsOf(reloadConfig)
+	unknown := optionsOf(reloadConfig + "udpIdleTimeout: 250ms\n")
+	if unknown.lenientDecode == nil {
+		t.Fatal("udpIdleTimeout was decoded strictly")
+	}
+	if !unknown.sameAs(clean) || !clean.sameAs(unknown) {
+		t.Error("a file with an unknown field more is not the same configuration")
+	}
+	if optionsOf(reloadConfig + "  masqueradeAll: true\n").sameAs(clean) {
+		t.Error("masqueradeAll: true is the same configuration as without it")
+	}
 }

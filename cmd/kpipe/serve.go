@@ -27,6 +27,7 @@ import (
 // place: a restarted kpipe, or the next tree, takes them over.
 func serve(ctx context.Context, o *Options) error {
 	log := newLogger(os.Stderr, o.LogFormat, o.LogLevel)
+	o.logLenientDecode(log)
 	if o.Cleanup {
 		return cleanup(ctx, log)
 	}
