@@ -4,7 +4,6 @@ import (
 	"context"
 	"fmt"
 	"log/slog"
-	"os"
 
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/collectors"
@@ -26,7 +25,7 @@ import (
 // a new one with the new settings (runUntilReload). Stopping leaves every rule in
 // place: a restarted kpipe, or the next tree, takes them over.
 func serve(ctx context.Context, o *Options) error {
-	log := newLogger(os.Stderr, o.LogFormat, o.LogLevel)
+	log := processLogger(o)
 	if o.Cleanup {
 		return cleanup(ctx, log)
 	}
@@ -43,7 +42,7 @@ func serve(ctx context.Context, o *Options) error {
 	d.afterSync = removeNFTablesMode
 	o.logIgnored(log)
 	return runReloading(ctx, o, d, watchConfigFile(ctx, o.ConfigFile, log), func(o *Options, d deps) (deps, error) {
-		return d.reconfigured(o, realNodeHost, newLogger(os.Stderr, o.LogFormat, o.LogLevel))
+		return d.reconfigured(o, realNodeHost, processLogger(o))
 	})
 }
 
