@@ -1,16 +1,27 @@
 package main
 
 import (
+	"context"
 	"fmt"
 	"io"
 	"log/slog"
 	"os"
+	"strconv"
 	"strings"
-	"time"
 
 	"github.com/lmittmann/tint"
 	"golang.org/x/term"
+	"k8s.io/component-base/logs"
+	"k8s.io/klog/v2"
 )
+
+// textTimeFormat dates every text line, as klog's header does: a log read
+// days later still says when.
+const textTimeFormat = "2006-01-02 15:04:05.000"
+
+// logLevel is the level of every line kpipe writes. The process has one, as
+// it has one klog verbosity: /debug/flags/v changes both (setVerbosity).
+var logLevel = new(slog.LevelVar)
 
 func parseLevel(s string) (slog.Level, error) {
 	var l slog.Level
@@ -20,13 +31,79 @@ func parseLevel(s string) (slog.Level, error) {
 	return l, nil
 }
 
-// newLogger makes the process logger: tint for people, JSON for machines.
+// newLogger makes the process logger, tint for people, JSON for machines, at
+// level; klog (client-go's logger) writes through the same handler, so every
+// line has one format.
 func newLogger(w io.Writer, format, level string) *slog.Logger {
 	l, _ := parseLevel(level) // checked by Options.complete
+	logLevel.Set(l)
+	var h slog.Handler
 	if format == "json" {
-		return slog.New(slog.NewJSONHandler(w, &slog.HandlerOptions{Level: l}))
+		h = slog.NewJSONHandler(w, &slog.HandlerOptions{Level: logLevel})
+	} else {
+		h = tint.NewHandler(w, &tint.Options{Level: logLevel, TimeFormat: textTimeFormat, NoColor: !isTerminal(w)})
 	}
-	return slog.New(tint.NewHandler(w, &tint.Options{Level: l, TimeFormat: time.TimeOnly, NoColor: !isTerminal(w)}))
+	klog.SetSlogLogger(slog.New(klogHandler{h}))
+	return slog.New(h)
+}
+
+// processLogger is kpipe's logger on stderr for o, klog's verbosity o's -v.
+func processLogger(o *Options) *slog.Logger {
+	log := newLogger(os.Stderr, o.LogFormat, o.LogLevel)
+	setKlogVerbosity(o.Verbosity)
+	return log
+}
+
+// klogHandler is the handler klog writes through. klog's V(n) lines reach
+// it at slog level -n; klog's verbosity (-v) decides which are written, and
+// they are written at the level -v maps n to (levelOfVerbosity), so client-go
+// shows at -v=2 what it shows under kube-proxy at -v=2.
+type klogHandler struct{ slog.Handler }
+
+func (h klogHandler) Enabled(ctx context.Context, l slog.Level) bool {
+	if l >= slog.LevelInfo {
+		return h.Handler.Enabled(ctx, l)
+	}
+	return klog.V(klog.Level(-l)).Enabled() && h.Handler.Enabled(ctx, levelOfV(-int(l)))
+}
+
+func (h klogHandler) Handle(ctx context.Context, r slog.Record) error {
+	if r.Level < slog.LevelInfo {
+		r.Level = levelOfV(-int(r.Level))
+	}
+	return h.Handler.Handle(ctx, r)
+}
+
+func (h klogHandler) WithAttrs(as []slog.Attr) slog.Handler {
+	return klogHandler{h.Handler.WithAttrs(as)}
+}
+
+func (h klogHandler) WithGroup(name string) slog.Handler {
+	return klogHandler{h.Handler.WithGroup(name)}
+}
+
+// levelOfV is the slog level of klog's verbosity v.
+func levelOfV(v int) slog.Level {
+	l, _ := parseLevel(levelOfVerbosity(v))
+	return l
+}
+
+// setKlogVerbosity sets klog's -v, as kube-proxy's flag does.
+func setKlogVerbosity(v int) {
+	_, _ = logs.GlogSetter(strconv.Itoa(v)) // a non-negative int always parses
+}
+
+// setVerbosity is /debug/flags/v's PUT, as kube-proxy's: klog's verbosity
+// (component-base's GlogSetter, with its answers), and kpipe's level as -v
+// maps it.
+func setVerbosity(val string) (string, error) {
+	answer, err := logs.GlogSetter(val)
+	if err != nil {
+		return "", err
+	}
+	v, _ := strconv.Atoi(val) // GlogSetter took it: a uint32
+	logLevel.Set(levelOfV(v))
+	return answer, nil
 }
 
 // isTerminal says whether w is a terminal: colours are for people at one, not

@@ -3,9 +3,13 @@ package main
 import (
 	"bytes"
 	"encoding/json"
+	"errors"
 	"os"
 	"strings"
 	"testing"
+	"time"
+
+	"k8s.io/klog/v2"
 )
 
 // Logs written to a file or a pipe (a container runtime's log) carry no colour codes.
@@ -33,5 +37,92 @@ func TestJSONLogsStayJSON(t *testing.T) {
 	var m map[string]any
 	if err := json.Unmarshal(buf.Bytes(), &m); err != nil || m["msg"] != "synced" {
 		t.Errorf("json log %q: %v", buf.String(), err)
+	}
+}
+
+// client-go logs through klog: with --logging-format=json its lines are JSON
+// on kpipe's stream too, errors with their error.
+func TestKlogLinesComeOutAsJSON(t *testing.T) {
+	var buf bytes.Buffer
+	newLogger(&buf, "json", "info")
+	klog.InfoS("watch started", "resource", "services")
+	klog.ErrorS(errors.New("connection refused"), "list failed", "resource", "endpointslices")
+	lines := strings.Split(strings.TrimSuffix(buf.String(), "\n"), "\n")
+	if len(lines) != 2 {
+		t.Fatalf("klog wrote %d lines to kpipe's log, want 2: %q", len(lines), buf.String())
+	}
+	for i, want := range []map[string]any{
+		{"level": "INFO", "msg": "watch started", "resource": "services"},
+		{"level": "ERROR", "msg": "list failed", "resource": "endpointslices", "err": "connection refused"},
+	} {
+		var got map[string]any
+		if err := json.Unmarshal([]byte(lines[i]), &got); err != nil {
+			t.Fatalf("line %d is not JSON (%v): %q", i+1, err, lines[i])
+		}
+		for k, v := range want {
+			if got[k] != v {
+				t.Errorf("line %d: %s = %v, want %v (%q)", i+1, k, got[k], v, lines[i])
+			}
+		}
+	}
+}
+
+// Text lines carry the date, as klog's do: a log read days later still says when.
+func TestTextLogsCarryTheDate(t *testing.T) {
+	var buf bytes.Buffer
+	newLogger(&buf, "text", "info").Info("synced")
+	today := time.Now().Format(time.DateOnly)
+	if !strings.HasPrefix(buf.String(), today) {
+		t.Errorf("text line %q does not start with the date %s", buf.String(), today)
+	}
+}
+
+// client-go's V(n) lines show as kube-proxy's -v shows them: at -v=2 its
+// V(2) lines, at kpipe's info level; none at -v=0.
+func TestKlogVerbosityDecidesClientGoLines(t *testing.T) {
+	defer setKlogVerbosity(0)
+	for _, c := range []struct {
+		v     int
+		lines int
+	}{{0, 0}, {2, 1}} {
+		var buf bytes.Buffer
+		newLogger(&buf, "json", "info")
+		setKlogVerbosity(c.v)
+		klog.V(2).InfoS("relisted", "resource", "services")
+		klog.Background().V(2).Info("relisted", "resource", "services") // contextual logging too
+		if got := strings.Count(buf.String(), "\n"); got != 2*c.lines {
+			t.Errorf("-v=%d: %d lines, want %d: %q", c.v, got, 2*c.lines, buf.String())
+		}
+		if c.lines > 0 && !strings.Contains(buf.String(), `"level":"INFO"`) {
+			t.Errorf("-v=%d: V(2) lines not at INFO: %q", c.v, buf.String())
+		}
+	}
+}
+
+// PUT /debug/flags/v changes klog's verbosity and kpipe's level as -v maps
+// it; a value that is not a verbosity changes nothing.
+func TestSetVerbosityChangesBothLevels(t *testing.T) {
+	defer setKlogVerbosity(0)
+	var buf bytes.Buffer
+	log := newLogger(&buf, "json", "info")
+	if _, err := setVerbosity("4"); err != nil {
+		t.Fatal(err)
+	}
+	log.Debug("per-object detail")
+	klog.V(4).InfoS("client-go detail")
+	if n := strings.Count(buf.String(), `"level":"DEBUG"`); n != 2 {
+		t.Errorf("after v=4: %d debug lines, want kpipe's and klog's: %q", n, buf.String())
+	}
+	if _, err := setVerbosity("loud"); err == nil {
+		t.Error(`setVerbosity("loud") accepted`)
+	}
+	if _, err := setVerbosity("1"); err != nil {
+		t.Fatal(err)
+	}
+	buf.Reset()
+	log.Debug("per-object detail")
+	klog.V(4).InfoS("client-go detail")
+	if buf.Len() != 0 {
+		t.Errorf("after v=1: debug lines still written: %q", buf.String())
 	}
 }

@@ -4,10 +4,8 @@ import (
 	"context"
 	"fmt"
 	"log/slog"
-	"os"
 
 	"github.com/prometheus/client_golang/prometheus"
-	"github.com/prometheus/client_golang/prometheus/collectors"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/rest"
 	"k8s.io/client-go/tools/clientcmd"
@@ -26,7 +24,7 @@ import (
 // a new one with the new settings (runUntilReload). Stopping leaves every rule in
 // place: a restarted kpipe, or the next tree, takes them over.
 func serve(ctx context.Context, o *Options) error {
-	log := newLogger(os.Stderr, o.LogFormat, o.LogLevel)
+	log := processLogger(o)
 	o.logLenientDecode(log)
 	if o.Cleanup {
 		return cleanup(ctx, log)
@@ -46,16 +44,16 @@ func serve(ctx context.Context, o *Options) error {
 	d.afterSync = removeNFTablesMode
 	o.logIgnored(log)
 	return runReloading(ctx, o, d, watchConfigFile(ctx, o.ConfigFile, log), func(o *Options, d deps) (deps, error) {
-		return d.reconfigured(o, realNodeHost, newLogger(os.Stderr, o.LogFormat, o.LogLevel))
+		return d.reconfigured(o, realNodeHost, processLogger(o))
 	})
 }
 
 // realDeps are the real dependencies: the apiserver client, iptables and
-// conntrack netlink for each family the host has, the host's facts, and a
-// registry with the Go and process collectors and kpipe's metrics.
+// conntrack netlink for each family the host has, the host's facts, and the
+// metrics (registerMetrics).
 func realDeps(o *Options, log *slog.Logger) (deps, error) {
 	d := deps{kernels: map[bus.Family]commit.Kernel{}, canaries: map[bus.Family]canary.Canaries{},
-		conntrack: func() (conntrack.Clearer, error) { return nf.DialConntrack() }, registry: prometheus.NewRegistry()}
+		conntrack: func() (conntrack.Clearer, error) { return nf.DialConntrack() }}
 	writer, err := o.writer()
 	if err != nil {
 		return deps{}, err
@@ -64,16 +62,33 @@ func realDeps(o *Options, log *slog.Logger) (deps, error) {
 	for _, f := range families {
 		d.kernels[f], d.canaries[f] = nf.Tool{Family: f, Writer: writer}, nf.Tool{Family: f}
 	}
-	d.registry.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
-	registerFamilies(d.registry, families)
-	d.registry.MustRegister(buildInfoMetric())
-	d.metrics = metrics.New(d.registry)
-	d.registry.MustRegister(prometheus.NewCounterFunc(prometheus.CounterOpts{
+	if d.registry, d.metrics, err = registerMetrics(o, families, log); err != nil {
+		return deps{}, err
+	}
+	return d.reconfigured(o, realNodeHost, log)
+}
+
+// registerMetrics makes the registry of kpipe's metrics and records in
+// component-base's global one (served beside it: metrics.Served) what kube-proxy
+// records there at start: the feature gates and the build. The Go and process
+// collectors are component-base's: kpipe's registry has none.
+func registerMetrics(o *Options, families []bus.Family, log *slog.Logger) (*prometheus.Registry, *metrics.Metrics, error) {
+	gate, err := featureGate(o.FeatureGates)
+	if err != nil {
+		return nil, nil, fmt.Errorf("--feature-gates: %w", err)
+	}
+	gate.AddMetrics()
+	metrics.SetKubernetesBuildInfo(buildLabels())
+	reg := prometheus.NewRegistry()
+	registerFamilies(reg, families)
+	reg.MustRegister(buildInfoMetric())
+	m := metrics.New(reg)
+	reg.MustRegister(prometheus.NewCounterFunc(prometheus.CounterOpts{
 		Name: "kpipe_netlink_writer_fallbacks_total",
 		Help: "Rule writes the netlink writer encoded but the kernel refused, which iptables-restore then made (or was refused too).",
 	}, func() float64 { return float64(nf.NetlinkFallbacks.Load()) }))
-	d.registry.MustRegister(metrics.NFAcct{Reader: nf.NFAcct{}, InvalidDropped: nf.NFAcctInvalidDropped, LocalhostNodePorts: nf.NFAcctLocalhostNodePorts, Log: log})
-	return d.reconfigured(o, realNodeHost, log)
+	reg.MustRegister(metrics.NFAcct{Reader: nf.NFAcct{}, InvalidDropped: nf.NFAcctInvalidDropped, LocalhostNodePorts: nf.NFAcctLocalhostNodePorts, Log: log})
+	return reg, m, nil
 }
 
 // reconfigured are d for the options o: a new apiserver client and event

@@ -164,8 +164,8 @@ func buildTree(o *Options, d deps) *supervise.Supervisor {
 		HealthzAddr: o.HealthzBindAddress, MetricsAddr: o.MetricsBindAddress, BindHardFail: o.BindAddressHardFail,
 		Profiling: o.EnableProfiling, DebugAddr: o.debugAddr(),
 		SyncPeriod: o.SyncPeriod, NodeName: o.HostnameOverride, Families: d.families(), Configz: o.configz(), SideStages: r.sideStages(),
-	}, Board: board, Gatherer: d.registry, Checks: checks, Stages: stagesHandler, Env: envs.For(bus.Health),
-		Recorder: d.recorder, Fatal: d.stopFatal()}).Run
+	}, Board: board, Gatherer: metrics.Served(d.registry), SetVerbosity: setVerbosity, Checks: checks, Stages: stagesHandler,
+		Env: envs.For(bus.Health), Recorder: d.recorder, Fatal: d.stopFatal()}).Run
 
 	onRestart := func(stage string, err error) {
 		envs.Metrics.StageRestarts.WithLabelValues(stage).Inc()

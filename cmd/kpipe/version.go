@@ -71,11 +71,14 @@ func (b buildInfo) String() string {
 }
 
 // buildInfoMetric is kpipe_build_info for this binary.
-func buildInfoMetric() prometheus.Collector {
+func buildInfoMetric() prometheus.Collector { return metrics.BuildInfo(buildLabels()) }
+
+// buildLabels are this binary's build as kpipe_build_info labels it.
+func buildLabels() prometheus.Labels {
 	b := getBuildInfo()
-	return metrics.BuildInfo(prometheus.Labels{"git_version": b.GitVersion, "git_commit": b.GitCommit,
+	return prometheus.Labels{"git_version": b.GitVersion, "git_commit": b.GitCommit,
 		"git_tree_state": b.GitTreeState, "build_date": b.BuildDate, "go_version": b.GoVersion,
-		"compiler": b.Compiler, "platform": b.Platform})
+		"compiler": b.Compiler, "platform": b.Platform}
 }
 
 // versionFlag is kube-proxy's --version: true (or bare) prints the version and

@@ -77,6 +77,7 @@ type Health struct {
 	metrics  *metrics.Metrics
 	checks   *bus.Mailbox[bus.HealthCheckUpdates]
 	stages   http.Handler
+	setV     func(string) (string, error) // /debug/flags/v's PUT (with Profiling); nil: not served
 	log      *slog.Logger
 	recorder k8sevents.EventRecorder // nil: no events
 	fatal    func(error)
@@ -109,6 +110,10 @@ type Params struct {
 	// Stages is the supervisor's /debug/stages handler (mounted only on the
 	// debug listener; may be nil).
 	Stages http.Handler
+	// SetVerbosity sets the log verbosity from a PUT to /debug/flags/v,
+	// served with Profiling as kube-proxy does, and says what it did; nil:
+	// not served.
+	SetVerbosity func(string) (string, error)
 	// Env's metrics count the /healthz and /livez answers.
 	Env bus.Env
 	// Recorder records a Warning on a Service whose healthCheckNodePort cannot be
@@ -170,6 +175,7 @@ func New(p Params) *Health {
 		metrics:  p.Env.Metrics,
 		checks:   p.Checks,
 		stages:   p.Stages,
+		setV:     p.SetVerbosity,
 		log:      log,
 		recorder: p.Recorder,
 		fatal:    p.Fatal,

@@ -116,9 +116,11 @@ type response struct {
 	body   string
 }
 
-func do(t *testing.T, method, url string) response {
+func do(t *testing.T, method, url string) response { t.Helper(); return doBody(t, method, url, "") }
+
+func doBody(t *testing.T, method, url, payload string) response {
 	t.Helper()
-	req, err := http.NewRequest(method, url, nil)
+	req, err := http.NewRequest(method, url, strings.NewReader(payload))
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -4,12 +4,14 @@ import (
 	"bytes"
 	"encoding/json"
 	"fmt"
+	"io"
 	"net/http"
 	"net/http/pprof"
 	"sort"
 	"strings"
 
 	"github.com/prometheus/client_golang/prometheus/promhttp"
+	"k8s.io/component-base/metrics/prometheus/slis"
 )
 
 // proxyMode is what /proxyMode answers: kpipe stands in for kube-proxy's iptables mode.
@@ -19,13 +21,14 @@ const proxyMode = "iptables"
 const configzKey = "kubeproxy.config.k8s.io"
 
 // metricsMux serves the metrics listener as kube-proxy's serveMetrics does: /healthz
-// (the ping-only apiserver healthz), /proxyMode, /metrics, /configz, kpipe's /sync and,
-// with Profiling, the profiling handlers. Never /debug/stages: that is the debug
-// listener's alone.
+// (the ping-only apiserver healthz), /metrics/slis (its SLI), /proxyMode, /metrics,
+// /configz, kpipe's /sync and, with Profiling, the profiling handlers and
+// /debug/flags/v. Never /debug/stages: that is the debug listener's alone.
 func (h *Health) metricsMux() http.Handler {
 	mux := http.NewServeMux()
 	mux.HandleFunc("/healthz", servePingHealthz)
 	mux.HandleFunc("/healthz/ping", func(w http.ResponseWriter, _ *http.Request) { fmt.Fprint(w, "ok") })
+	slis.SLIMetricsWithReset{}.Install(mux)
 	mux.HandleFunc("/proxyMode", func(w http.ResponseWriter, _ *http.Request) {
 		w.Header().Set("Content-Type", "text/plain; charset=utf-8")
 		w.Header().Set("X-Content-Type-Options", "nosniff")
@@ -39,9 +42,45 @@ func (h *Health) metricsMux() http.Handler {
 	mux.HandleFunc("GET /sync", h.serveSync)
 	if h.cfg.Profiling {
 		handlePprof(mux)
+		if h.setV != nil {
+			mux.HandleFunc("/debug/flags/v", putFlag(h.setV))
+		}
 	}
 	return mux
 }
+
+// putFlag answers as k8s.io/apiserver's StringFlagPutHandler, which
+// kube-proxy mounts on /debug/flags/v: a PUT's body goes to set (200, or 400
+// with set's error), any other method is 406.
+func putFlag(set func(string) (string, error)) http.HandlerFunc {
+	return func(w http.ResponseWriter, r *http.Request) {
+		if r.Method != http.MethodPut {
+			writePlainText(w, http.StatusNotAcceptable, "unsupported http method")
+			return
+		}
+		body, err := io.ReadAll(io.LimitReader(r.Body, maxFlagBody))
+		if err != nil {
+			writePlainText(w, http.StatusBadRequest, "error reading request body: "+err.Error())
+			return
+		}
+		answer, err := set(string(body))
+		if err != nil {
+			writePlainText(w, http.StatusBadRequest, err.Error())
+			return
+		}
+		writePlainText(w, http.StatusOK, answer)
+	}
+}
+
+func writePlainText(w http.ResponseWriter, code int, text string) {
+	w.Header().Set("Content-Type", "text/plain")
+	w.Header().Set("X-Content-Type-Options", "nosniff")
+	w.WriteHeader(code)
+	fmt.Fprintln(w, text)
+}
+
+// maxFlagBody bounds what a PUT to /debug/flags/v is read of: a verbosity is a few digits.
+const maxFlagBody = 1 << 10
 
 // debugMux serves the debug listener: pprof and the supervisor's /debug/stages
 // (which can kill a stage).
@@ -80,6 +119,7 @@ func servePingHealthz(w http.ResponseWriter, r *http.Request) {
 		delete(excluded, "ping")
 		out.WriteString("[+]ping excluded: ok\n")
 	} else {
+		_ = slis.ObserveHealthcheck(r.Context(), "ping", "healthz", slis.Success) // /metrics/slis
 		out.WriteString("[+]ping ok\n")
 	}
 	if len(excluded) > 0 {
