@@ -177,8 +177,8 @@ func TestConfigFieldsMapOntoOptions(t *testing.T) {
 func TestConfigUnknownFieldIsUsageError(t *testing.T) {
 	cfg := strings.Replace(readKubeadmConfig(t), "  masqueradeAll: false\n  masqueradeBit: null", "  masqueradeAll: false\n  masqueradeBitz: 3\n  masqueradeBit: null", 1)
 	_, code, stderr := resolved(t, "--config="+writeFile(t, cfg))
-	if code != 2 {
-		t.Errorf("exit %d; want 2", code)
+	if code != 1 {
+		t.Errorf("exit %d; want 1", code)
 	}
 	if !strings.Contains(stderr, "masqueradeBitz") {
 		t.Errorf("message %q does not name the unknown field masqueradeBitz", stderr)
@@ -194,12 +194,12 @@ func TestConfigRejectsBadFiles(t *testing.T) {
 	}
 	for _, tt := range tests {
 		_, code, stderr := resolved(t, "--config="+writeFile(t, tt.content))
-		if code != 2 || !strings.Contains(stderr, tt.mention) {
-			t.Errorf("%s: exit %d, %q; want 2 naming %q", tt.name, code, stderr, tt.mention)
+		if code != 1 || !strings.Contains(stderr, tt.mention) {
+			t.Errorf("%s: exit %d, %q; want 1 naming %q", tt.name, code, stderr, tt.mention)
 		}
 	}
-	if _, code, _ := resolved(t, "--config=/no/such/file"); code != 2 {
-		t.Errorf("missing file: exit %d; want 2", code)
+	if _, code, _ := resolved(t, "--config=/no/such/file"); code != 1 {
+		t.Errorf("missing file: exit %d; want 1", code)
 	}
 }
 
@@ -314,8 +314,8 @@ func TestKubeProxyCommandLineErrors(t *testing.T) {
 		{[]string{"--feature-gates=Gate=maybe"}, "feature-gates"},
 	} {
 		_, code, stderr := resolved(t, tt.args...)
-		if code != 2 || !strings.Contains(stderr, tt.mention) {
-			t.Errorf("%q: exit %d, %q; want 2 naming %q", tt.args, code, stderr, tt.mention)
+		if code != 1 || !strings.Contains(stderr, tt.mention) {
+			t.Errorf("%q: exit %d, %q; want 1 naming %q", tt.args, code, stderr, tt.mention)
 		}
 	}
 }

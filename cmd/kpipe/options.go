@@ -1,7 +1,6 @@
 package main
 
 import (
-	"errors"
 	"fmt"
 	"net"
 	"net/netip"
@@ -129,15 +128,9 @@ func (o *Options) addFlags(fs *pflag.FlagSet) {
 	o.addKubeProxyFlags(fs)
 }
 
-// usageError is a bad flag value: kpipe exits 2 for it.
-type usageError struct{ error }
-
-func usagef(format string, args ...any) error { return usageError{fmt.Errorf(format, args...)} }
-
-func isUsage(err error) bool {
-	var u usageError
-	return errors.As(err, &u)
-}
+// usagef is an error in the flags or the configuration file. kpipe exits 1
+// for it, as for any other error, as kube-proxy does.
+func usagef(format string, args ...any) error { return fmt.Errorf(format, args...) }
 
 // finish turns parsed flags into the options kpipe runs with: the config file
 // under the flags (resolve), then checked (complete). Start-up and each reload
@@ -221,7 +214,7 @@ func (o *Options) complete() error {
 		return usagef("--log-format %q: must be text or json", o.LogFormat)
 	}
 	if _, err := parseLevel(o.LogLevel); err != nil {
-		return usageError{err}
+		return err
 	}
 	if _, err := o.writer(); err != nil {
 		return err
