@@ -1,7 +1,11 @@
 package e2e
 
 import (
+	"context"
+	"errors"
 	"fmt"
+	"os/exec"
+	"path/filepath"
 	"regexp"
 	"strconv"
 	"strings"
@@ -225,4 +229,117 @@ func sendSynFin(ip string, firstPort, n int) error {
 		}
 	}
 	return nil
+}
+
+// oneShot runs bin with args and --write-config-to, so that a command line
+// kube-proxy and kpipe accept writes a file and exits 0 instead of running
+// (both validate everything first): the exit code and the output.
+func oneShot(t *testing.T, bin string, args ...string) (int, string) {
+	t.Helper()
+	args = append(args, "--write-config-to="+filepath.Join(t.TempDir(), "written.conf"))
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	out, err := exec.CommandContext(ctx, bin, args...).CombinedOutput()
+	var exit *exec.ExitError
+	switch {
+	case err == nil:
+		return 0, string(out)
+	case errors.As(err, &exit) && ctx.Err() == nil:
+		return exit.ExitCode(), string(out)
+	}
+	t.Fatalf("%s %q: %v\n%s", bin, args, err, out)
+	return 0, ""
+}
+
+// oneShotBinaries are upstream kube-proxy's binary and kpipe's.
+func oneShotBinaries(t *testing.T) (kubeProxy, kpipe string) {
+	t.Helper()
+	if kpipeErr != nil {
+		t.Fatalf("kpipe unavailable: %v", kpipeErr)
+	}
+	kp, err := tb.KubeProxy("iptables", t.Logf)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return kp.Bin, tb.Kpipe().Bin
+}
+
+// Command lines and configuration files kube-proxy v1.34 refuses, kpipe
+// refuses the same way: exit 1, the bad value named. Those it accepts, kpipe
+// accepts (exit 0).
+func TestValidationAsKubeProxy(t *testing.T) {
+	kubeProxy, kpipe := oneShotBinaries(t)
+	config := func(old, new string) string {
+		text := kubeadmConfigText(t)
+		if !strings.Contains(text, old) {
+			t.Fatalf("kubeadm's file has no %q", old)
+		}
+		return "--config=" + configFile(t, strings.Replace(text, old, new, 1))
+	}
+	for _, tt := range []struct {
+		args    []string
+		mention string // "" for a command line both accept
+	}{
+		{[]string{"--no-such-flag"}, "no-such-flag"},
+		{[]string{"--kube-api-qps=fast"}, "fast"},
+		{[]string{"an-argument"}, "an-argument"},
+		{[]string{"--config=/no/such/file"}, "/no/such/file"},
+		{[]string{"--iptables-masquerade-bit=32"}, "32"},
+		{[]string{"--healthz-bind-address=nope"}, "nope"},
+		{[]string{"--healthz-bind-address=1.2.3.4:99999"}, "99999"},
+		{[]string{"--metrics-bind-address=127.0.0.1:metrics"}, "metrics"},
+		{[]string{"--bind-address=node-1"}, "node-1"},
+		{[]string{"--hostname-override=  "}, "hostname-override"},
+		{[]string{"--cluster-cidr=10.0.0.0/8,10.1.0.0/16"}, "10.1.0.0/16"},
+		{[]string{"--cluster-cidr=10.0.0.0/8,fd00::/64,fd01::/64"}, "fd01::/64"},
+		{[]string{"--feature-gates=NoSuchGate=true"}, "NoSuchGate"},
+		{[]string{"--feature-gates=NFTablesProxyMode=false"}, "NFTablesProxyMode"},
+		{[]string{config(`healthzBindAddress: ""`, "healthzBindAddress: 1.2.3.4:70000")}, "70000"},
+		{[]string{config("clusterCIDR: "+testbed.ClusterCIDR, "clusterCIDR: fd00::/64,fd01::/64")}, "fd01::/64"},
+		{[]string{config("bindAddressHardFail: false", "bindAddressHardFail: false\nfeatureGates: {NoSuchGate: true}")}, "NoSuchGate"},
+		{[]string{"--cluster-cidr=10.0.0.0/8,fd00::/64", "--healthz-bind-address=[::1]:10256", "--hostname-override=Node-1"}, ""},
+		{[]string{"--detect-local-mode=NodeCIDR", "--cluster-cidr=10.0.0.0/8,10.1.0.0/16"}, ""},
+		{[]string{"--feature-gates=AllAlpha=true,NFTablesProxyMode=true", "--log-text-split-stream=false", "--boot-id-file=/x", "--machine-id-file=/y"}, ""},
+	} {
+		want := 1
+		if tt.mention == "" {
+			want = 0
+		}
+		for _, bin := range []string{kubeProxy, kpipe} {
+			code, out := oneShot(t, bin, tt.args...)
+			if code != want || !strings.Contains(out, tt.mention) {
+				t.Errorf("%s %q: exit %d; want %d naming %q; output:\n%s", filepath.Base(bin), tt.args, code, want, tt.mention, out)
+			}
+		}
+	}
+}
+
+// Every feature gate kube-proxy's --help lists (its alpha, beta and
+// deprecated gates), set against its default, is accepted or refused by kpipe
+// as by kube-proxy; the same name in lower case (gate names are
+// case-sensitive) is refused by both.
+func TestFeatureGatesAsKubeProxy(t *testing.T) {
+	kubeProxy, kpipe := oneShotBinaries(t)
+	help, err := exec.Command(kubeProxy, "--help").CombinedOutput()
+	if err != nil {
+		t.Fatalf("kube-proxy --help: %v\n%s", err, help)
+	}
+	listed := regexp.MustCompile(`(?m)^\s+([A-Za-z0-9]+)=true\|false \([A-Z]+ - default=(true|false)\)$`).FindAllStringSubmatch(string(help), -1)
+	if len(listed) < 100 {
+		t.Fatalf("kube-proxy --help lists %d feature gates; want its 100 and more:\n%s", len(listed), help)
+	}
+	for _, g := range listed {
+		flipped := fmt.Sprintf("--feature-gates=%s=%v", g[1], g[2] != "true")
+		unknown := "--feature-gates=" + strings.ToLower(g[1]) + "=" + g[2]
+		for _, gate := range []string{flipped, unknown} {
+			kpCode, kpOut := oneShot(t, kubeProxy, gate)
+			code, out := oneShot(t, kpipe, gate)
+			if code != kpCode || gate == unknown && code != 1 {
+				t.Errorf("%s: kpipe exit %d, kube-proxy exit %d (want 1 for an unknown name)\nkpipe: %s\nkube-proxy: %s", gate, code, kpCode, out, kpOut)
+			}
+		}
+	}
+	if !t.Failed() {
+		t.Logf("%d feature gates, each set against its default and named in lower case: kpipe exits as kube-proxy does", len(listed))
+	}
 }

@@ -6,14 +6,8 @@ import (
 	"strings"
 
 	"github.com/spf13/pflag"
+	"k8s.io/apimachinery/pkg/api/resource"
 	cliflag "k8s.io/component-base/cli/flag"
-)
-
-var (
-	ignoredDurationFlags = []string{"ipvs-sync-period", "ipvs-min-sync-period", "ipvs-tcp-timeout", "ipvs-tcpfin-timeout", "ipvs-udp-timeout", "config-sync-period", "log-flush-frequency"}
-	ignoredBoolFlags     = []string{"ipvs-strict-arp"}
-	ignoredStringFlags   = []string{"ipvs-scheduler", "show-hidden-metrics-for-version", "vmodule"}
-	ignoredSliceFlags    = []string{"ipvs-exclude-cidrs"}
 )
 
 // addKubeProxyFlags adds the flags of kube-proxy's command line that kpipe's own
@@ -30,7 +24,7 @@ func (o *Options) addKubeProxyFlags(fs *pflag.FlagSet) {
 	fs.IntVar(&o.KubeAPIBurst, "kube-api-burst", o.KubeAPIBurst, "Burst of queries to the apiserver.")
 	fs.StringVar(&o.KubeAPIContentType, "kube-api-content-type", o.KubeAPIContentType, "Content type of requests to the apiserver.")
 	fs.BoolVar(&o.EnableProfiling, "profiling", o.EnableProfiling, "Serve pprof on the metrics address, as kube-proxy does (never /debug/stages: see --enable-debug-handlers).")
-	fs.Var(cliflag.NewMapStringBool(&o.FeatureGates), "feature-gates", "kube-proxy feature gates: accepted, and ignored (none changes the iptables mode kpipe implements).")
+	fs.Var(cliflag.NewMapStringBool(&o.FeatureGates), "feature-gates", "kube-proxy v1.34's feature gates, checked as kube-proxy checks them (an unknown gate, or a locked one set against its default, is an error); none changes what kpipe does.")
 	fs.IntVarP(&o.Verbosity, "v", "v", o.Verbosity, "kube-proxy's log verbosity: 0-3 is --log-level=info, 4 and more is debug (unless --log-level is given).")
 	fs.StringVar(&o.LogFormat, "logging-format", o.LogFormat, "kube-proxy's name for --log-format.")
 	fs.BoolVar(&o.Cleanup, "cleanup", o.Cleanup, "Remove every rule and chain kube-proxy's iptables mode (or kpipe) made, and kube-proxy's nftables tables, then exit (1 if anything could not be removed).")
@@ -46,20 +40,67 @@ func (o *Options) addKubeProxyFlags(fs *pflag.FlagSet) {
 	fs.DurationVar(&c.UDPTimeout, "conntrack-udp-timeout", c.UDPTimeout, "Idle timeout of UNREPLIED UDP conntrack entries; 0 leaves it as it is.")
 	fs.DurationVar(&c.UDPStreamTimeout, "conntrack-udp-timeout-stream", c.UDPStreamTimeout, "Idle timeout of ASSURED UDP conntrack entries; 0 leaves it as it is.")
 	fs.Int32Var(&o.OOMScoreAdj, "oom-score-adj", o.OOMScoreAdj, "The oom_score_adj of the kpipe process, -1000 to 1000.")
-	// kube-proxy flags of other modes or of host settings: parsed (a bad value is
-	// still an error) and otherwise unused.
-	for _, n := range ignoredDurationFlags {
-		fs.Duration(n, 0, "Accepted for kube-proxy compatibility and ignored.")
+	o.addDeprecatedPortFlags(fs)
+	addIgnoredFlags(fs)
+}
+
+// addDeprecatedPortFlags adds kube-proxy's deprecated --healthz-port and
+// --metrics-port (see applyDeprecatedPorts).
+func (o *Options) addDeprecatedPortFlags(fs *pflag.FlagSet) {
+	fs.Int32Var(&o.healthzPortFlag, "healthz-port", healthzPort, "The port to bind the health check server. Use 0 to disable.")
+	_ = fs.MarkDeprecated("healthz-port", "This flag is deprecated and will be removed in a future release. Please use --healthz-bind-address instead.")
+	fs.Int32Var(&o.metricsPortFlag, "metrics-port", metricsPort, "The port to bind the metrics server. Use 0 to disable.")
+	_ = fs.MarkDeprecated("metrics-port", "This flag is deprecated and will be removed in a future release. Please use --metrics-bind-address instead.")
+}
+
+// applyDeprecatedPorts does what kube-proxy does with --healthz-port and
+// --metrics-port, and only without --config and --write-config-to, as it
+// does: 0 disables that server; another port is the port of a bind address
+// given as a bare IP (one with a port keeps it).
+func (o *Options) applyDeprecatedPorts() {
+	if o.ConfigFile != "" || o.WriteConfigTo != "" {
+		return
 	}
-	for _, n := range ignoredBoolFlags {
-		fs.Bool(n, false, "Accepted for kube-proxy compatibility and ignored.")
+	o.HealthzBindAddress = addressWithPort(o.HealthzBindAddress, o.healthzPortFlag)
+	o.MetricsBindAddress = addressWithPort(o.MetricsBindAddress, o.metricsPortFlag)
+}
+
+func addressWithPort(addr string, port int32) string {
+	if port == 0 {
+		return ""
 	}
-	for _, n := range ignoredStringFlags {
-		fs.String(n, "", "Accepted for kube-proxy compatibility and ignored.")
+	return withDefaultPort(addr, int(port))
+}
+
+// ignoredAnnotation marks the flags kpipe parses and does not use.
+const ignoredAnnotation = "kpipe/ignored"
+
+// addIgnoredFlags adds kube-proxy flags of other proxy modes, of host
+// settings, or without effect in kpipe: parsed (a bad value is still an
+// error, as in kube-proxy), named once in the log (logIgnored), and otherwise
+// unused.
+func addIgnoredFlags(fs *pflag.FlagSet) {
+	const help = "Accepted for kube-proxy compatibility and ignored."
+	ignored := pflag.NewFlagSet("ignored", pflag.ContinueOnError)
+	for _, n := range []string{"ipvs-sync-period", "ipvs-min-sync-period", "ipvs-tcp-timeout", "ipvs-tcpfin-timeout", "ipvs-udp-timeout", "config-sync-period", "log-flush-frequency"} {
+		ignored.Duration(n, 0, help)
 	}
-	for _, n := range ignoredSliceFlags {
-		fs.StringSlice(n, nil, "Accepted for kube-proxy compatibility and ignored.")
+	ignored.Bool("ipvs-strict-arp", false, help)
+	for _, n := range []string{"ipvs-scheduler", "show-hidden-metrics-for-version", "vmodule"} {
+		ignored.String(n, "", help)
 	}
+	ignored.StringSlice("ipvs-exclude-cidrs", nil, help)
+	// cadvisor's flags, which kube-proxy's binary links in and never reads.
+	ignored.String("boot-id-file", "/proc/sys/kernel/random/boot_id", help+" (cadvisor's flag in kube-proxy's binary, where nothing reads it either)")
+	ignored.String("machine-id-file", "/etc/machine-id,/var/lib/dbus/machine-id", help+" (cadvisor's flag in kube-proxy's binary, where nothing reads it either)")
+	// component-base's alpha logging options: kpipe writes every line to one
+	// unbuffered stream, stderr.
+	for _, format := range []string{"text", "json"} {
+		ignored.Bool("log-"+format+"-split-stream", false, help+" kpipe writes every "+format+" line to stderr.")
+		ignored.Var(&resource.QuantityValue{}, "log-"+format+"-info-buffer-size", help+" kpipe does not buffer log lines.")
+	}
+	ignored.VisitAll(func(f *pflag.Flag) { f.Annotations = map[string][]string{ignoredAnnotation: nil} })
+	fs.AddFlagSet(ignored)
 }
 
 // resolve takes the configuration file (if any) over the flags given on the
@@ -70,6 +111,7 @@ func (o *Options) resolve(fs *pflag.FlagSet) error {
 			return err
 		}
 	}
+	o.applyDeprecatedPorts()
 	if fs.Changed("v") && !fs.Changed("log-level") {
 		o.LogLevel = levelOfVerbosity(o.Verbosity)
 	}
@@ -80,13 +122,11 @@ func (o *Options) resolve(fs *pflag.FlagSet) error {
 // ignoredGiven names the ignored flags given on the command line, sorted.
 func ignoredGiven(fs *pflag.FlagSet) []string {
 	var names []string
-	for _, group := range [][]string{ignoredDurationFlags, ignoredBoolFlags, ignoredStringFlags, ignoredSliceFlags} {
-		for _, n := range group {
-			if fs.Changed(n) {
-				names = append(names, n)
-			}
+	fs.Visit(func(f *pflag.Flag) {
+		if _, ok := f.Annotations[ignoredAnnotation]; ok {
+			names = append(names, f.Name)
 		}
-	}
+	})
 	sort.Strings(names)
 	return names
 }

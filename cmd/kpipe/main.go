@@ -35,8 +35,9 @@ func tuneGC(lookup func(string) (string, bool)) {
 	}
 }
 
-// run executes the command line and returns the exit code: 2 for bad flags, 1 when
-// the proxy stops on an error it could not recover from.
+// run executes the command line and returns the exit code: 1 for any error, a
+// bad flag or configuration as a proxy that stops on an error it could not
+// recover from, as kube-proxy (component-base's cli.Run) exits.
 func run(args []string) int { return runWith(args, serve) }
 
 // runWith is run with the proxy itself given: tests pass a fake to see the
@@ -71,14 +72,10 @@ func runWith(args []string, serve func(context.Context, *Options) error) int {
 			return serve(ctx, opts)
 		},
 	}
-	cmd.SetFlagErrorFunc(func(_ *cobra.Command, err error) error { return usageError{err} })
 	opts.addFlags(cmd.Flags())
 	cmd.SetArgs(args)
 	if err := cmd.ExecuteContext(context.Background()); err != nil {
 		fmt.Fprintln(os.Stderr, "kpipe:", err)
-		if isUsage(err) {
-			return 2
-		}
 		return 1
 	}
 	return 0

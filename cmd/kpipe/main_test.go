@@ -23,8 +23,8 @@ func runCaptured(t *testing.T, args ...string) (int, string) {
 func TestRunRejectsOtherProxyModes(t *testing.T) {
 	for _, mode := range []string{"ipvs", "nftables", "kernelspace"} {
 		code, stderr := runCaptured(t, "--proxy-mode", mode)
-		if code != 2 {
-			t.Errorf("--proxy-mode %s: exit %d; want 2", mode, code)
+		if code != 1 {
+			t.Errorf("--proxy-mode %s: exit %d; want 1", mode, code)
 		}
 		if !strings.Contains(stderr, "iptables") || !strings.Contains(stderr, mode) {
 			t.Errorf("--proxy-mode %s: message %q; want it to name %s and iptables", mode, stderr, mode)
@@ -63,8 +63,8 @@ func TestRunUsageErrors(t *testing.T) {
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
 			code, stderr := runCaptured(t, tt.args...)
-			if code != 2 {
-				t.Errorf("exit %d; want 2 (stderr %q)", code, stderr)
+			if code != 1 {
+				t.Errorf("exit %d; want 1 (stderr %q)", code, stderr)
 			}
 			if !strings.Contains(stderr, tt.mention) {
 				t.Errorf("message %q does not name %q", stderr, tt.mention)

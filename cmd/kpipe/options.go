@@ -1,7 +1,6 @@
 package main
 
 import (
-	"errors"
 	"fmt"
 	"net"
 	"net/netip"
@@ -62,6 +61,8 @@ type Options struct {
 	givenHostname   string                            // the flag's or the file's hostnameOverride, before the hostname fills it in
 	WriteConfigTo   string
 	Verbosity       int
+	healthzPortFlag int32 // kube-proxy's deprecated --healthz-port
+	metricsPortFlag int32 // and --metrics-port
 	ignoredGiven    []string
 	args            []string // the command line, reread over the config file when it changes
 	clusterCIDRs    []netip.Prefix
@@ -131,15 +132,9 @@ func (o *Options) addFlags(fs *pflag.FlagSet) {
 	o.addKubeProxyFlags(fs)
 }
 
-// usageError is a bad flag value: kpipe exits 2 for it.
-type usageError struct{ error }
-
-func usagef(format string, args ...any) error { return usageError{fmt.Errorf(format, args...)} }
-
-func isUsage(err error) bool {
-	var u usageError
-	return errors.As(err, &u)
-}
+// usagef is an error in the flags or the configuration file. kpipe exits 1
+// for it, as for any other error, as kube-proxy does.
+func usagef(format string, args ...any) error { return fmt.Errorf(format, args...) }
 
 // finish turns parsed flags into the options kpipe runs with: the config file
 // under the flags (resolve), then checked (complete). Start-up and each reload
@@ -178,18 +173,14 @@ func (o *Options) complete() error {
 		return usagef("--conntrack-* settings must not be negative, got %+v", c)
 	}
 	o.clusterCIDRs = nil
-	for _, c := range strings.Split(o.ClusterCIDR, ",") {
-		if c = strings.TrimSpace(c); c == "" {
-			continue
-		}
-		p, err := netip.ParsePrefix(c)
-		if err != nil {
-			return usagef("--cluster-cidr %q: %v", c, err)
-		}
-		o.clusterCIDRs = append(o.clusterCIDRs, p.Masked())
-	}
 	switch o.DetectLocalMode {
-	case render.DetectClusterCIDR, render.DetectNodeCIDR:
+	case render.DetectClusterCIDR:
+		cidrs, err := parseClusterCIDRs(o.ClusterCIDR)
+		if err != nil {
+			return err
+		}
+		o.clusterCIDRs = cidrs
+	case render.DetectNodeCIDR:
 	case render.DetectBridgeInterface:
 		if o.PodBridgeInterface == "" {
 			return usagef("--detect-local-mode=BridgeInterface needs --pod-bridge-interface")
@@ -223,7 +214,7 @@ func (o *Options) complete() error {
 		return usagef("--log-format %q: must be text or json", o.LogFormat)
 	}
 	if _, err := parseLevel(o.LogLevel); err != nil {
-		return usageError{err}
+		return err
 	}
 	if _, err := o.writer(); err != nil {
 		return err
@@ -231,19 +222,95 @@ func (o *Options) complete() error {
 	o.HealthzBindAddress = withDefaultPort(o.HealthzBindAddress, healthzPort)
 	o.MetricsBindAddress = withDefaultPort(o.MetricsBindAddress, metricsPort)
 	o.DebugBindAddress = withDefaultPort(o.DebugBindAddress, debugPort)
+	if err := o.checkAddresses(); err != nil {
+		return err
+	}
 	if o.KubeAPIQPS < 0 || o.KubeAPIBurst < 0 {
 		return usagef("--kube-api-qps and --kube-api-burst must not be negative")
 	}
+	if err := kubeProxyFeatureGate().SetFromMap(o.FeatureGates); err != nil {
+		return usagef("--feature-gates (featureGates): %v", err)
+	}
 	o.givenHostname = strings.ToLower(strings.TrimSpace(o.HostnameOverride))
-	if o.HostnameOverride == "" {
+	name, err := nodeName(o.HostnameOverride)
+	if err != nil {
+		return err
+	}
+	o.HostnameOverride = name
+	return nil
+}
+
+// parseClusterCIDRs reads --cluster-cidr as kube-proxy does in ClusterCIDR
+// mode: one CIDR, or a dual-stack pair (one IPv4, one IPv6). kpipe also
+// ignores spaces and empty entries ("a, b,").
+func parseClusterCIDRs(list string) ([]netip.Prefix, error) {
+	var cidrs []netip.Prefix
+	for _, c := range strings.Split(list, ",") {
+		if c = strings.TrimSpace(c); c == "" {
+			continue
+		}
+		p, err := netip.ParsePrefix(c)
+		if err != nil {
+			return nil, usagef("--cluster-cidr (clusterCIDR) %q: %v", c, err)
+		}
+		cidrs = append(cidrs, p.Masked())
+	}
+	if len(cidrs) > 2 || len(cidrs) == 2 && cidrs[0].Addr().Is4() == cidrs[1].Addr().Is4() {
+		return nil, usagef("--cluster-cidr (clusterCIDR) %q: must be one CIDR or a dual-stack pair (one IPv4, one IPv6)", list)
+	}
+	return cidrs, nil
+}
+
+// checkAddresses checks the bind addresses as kube-proxy does: an IP, and
+// IP:port for the health and metrics servers. Two differences: an empty
+// address is off (kube-proxy refuses an empty metrics address), and port 0
+// (any free port, which kube-proxy refuses) is taken, as kpipe's tests run
+// many servers at once with it.
+func (o *Options) checkAddresses() error {
+	if o.BindAddress != "" {
+		if _, err := netip.ParseAddr(o.BindAddress); err != nil {
+			return usagef("--bind-address (bindAddress) %q: must be an IP address", o.BindAddress)
+		}
+	}
+	for _, a := range []struct{ names, addr string }{
+		{"--healthz-bind-address (healthzBindAddress)", o.HealthzBindAddress},
+		{"--metrics-bind-address (metricsBindAddress)", o.MetricsBindAddress},
+	} {
+		if a.addr == "" {
+			continue
+		}
+		host, port, err := net.SplitHostPort(a.addr)
+		if err != nil {
+			return usagef("%s %q: must be IP:port", a.names, a.addr)
+		}
+		if _, err := netip.ParseAddr(host); err != nil {
+			return usagef("%s %q: %q is not an IP address", a.names, a.addr, host)
+		}
+		if p, err := strconv.Atoi(port); err != nil || p < 0 || p > 65535 {
+			return usagef("%s %q: port %q must be 0 to 65535", a.names, a.addr, port)
+		}
+	}
+	return nil
+}
+
+// nodeName is the name of this node: the override, else the hostname, trimmed
+// and lower-cased, as kube-proxy names it. An override of only spaces is an
+// error, as in kube-proxy, not the hostname.
+func nodeName(override string) (string, error) {
+	name := strings.TrimSpace(override)
+	if name == "" && override != "" {
+		return "", usagef("--hostname-override (hostnameOverride) %q: empty after trimming spaces", override)
+	}
+	if name == "" {
 		h, err := os.Hostname()
 		if err != nil {
-			return fmt.Errorf("find the node name: %w", err)
+			return "", fmt.Errorf("find the node name: %w", err)
 		}
-		o.HostnameOverride = h
+		if name = strings.TrimSpace(h); name == "" {
+			return "", fmt.Errorf("find the node name: the hostname is empty")
+		}
 	}
-	o.HostnameOverride = strings.ToLower(strings.TrimSpace(o.HostnameOverride))
-	return nil
+	return strings.ToLower(name), nil
 }
 
 // debugPort is the debug listener's port: next to kube-proxy's 10249 and the

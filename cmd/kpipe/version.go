@@ -5,8 +5,10 @@ import (
 	"runtime"
 	"runtime/debug"
 	"strconv"
+	"strings"
 
 	"github.com/prometheus/client_golang/prometheus"
+	"k8s.io/apimachinery/pkg/version"
 
 	"github.com/kpipe/kpipe/metrics"
 )
@@ -70,6 +72,29 @@ func (b buildInfo) String() string {
 	return fmt.Sprintf("kpipe %s (commit %s, %s %s)", b.GitVersion, b.GitCommit, b.GoVersion, b.Platform)
 }
 
+// versionInfo is the build in the shape kube-proxy's --version=raw prints
+// (apimachinery's version.Info), major and minor read from the version; kpipe
+// emulates no other version, so those fields stay empty as in an unset one.
+func (b buildInfo) versionInfo() version.Info {
+	major, minor := majorMinor(b.GitVersion)
+	return version.Info{Major: major, Minor: minor, GitVersion: b.GitVersion, GitCommit: b.GitCommit,
+		GitTreeState: b.GitTreeState, BuildDate: b.BuildDate, GoVersion: b.GoVersion, Compiler: b.Compiler, Platform: b.Platform}
+}
+
+// majorMinor is "1", "2" of "v1.2.3-rc.1"; empty strings when v is not vX.Y....
+func majorMinor(v string) (major, minor string) {
+	parts := strings.SplitN(strings.TrimPrefix(v, "v"), ".", 3)
+	if len(parts) < 2 {
+		return "", ""
+	}
+	for _, p := range parts[:2] {
+		if _, err := strconv.ParseUint(p, 10, 32); err != nil {
+			return "", ""
+		}
+	}
+	return parts[0], parts[1]
+}
+
 // buildInfoMetric is kpipe_build_info for this binary.
 func buildInfoMetric() prometheus.Collector { return metrics.BuildInfo(buildLabels()) }
 
@@ -82,7 +107,8 @@ func buildLabels() prometheus.Labels {
 }
 
 // versionFlag is kube-proxy's --version: true (or bare) prints the version and
-// exits, raw prints every field of the build and exits, false runs.
+// exits, raw prints every field of the build as kube-proxy does and exits,
+// false runs.
 // kube-proxy's --version=vX.Y.Z, which changes the version it reports, is
 // refused: kpipe reports its own.
 type versionFlag string
@@ -118,7 +144,7 @@ func (v versionFlag) text() string {
 	case versionLine:
 		return getBuildInfo().String()
 	case versionRaw:
-		return fmt.Sprintf("%#v", getBuildInfo())
+		return fmt.Sprintf("%#v", getBuildInfo().versionInfo())
 	}
 	return ""
 }
