@@ -126,3 +126,25 @@ func TestSetVerbosityChangesBothLevels(t *testing.T) {
 		t.Errorf("after v=1: debug lines still written: %q", buf.String())
 	}
 }
+
+// With --logging-format=json, the error kpipe stops on is a JSON line too,
+// as kube-proxy logs it through klog once logging is set up: a collector
+// parsing kpipe's log sees why it stopped. (Here: a kubeconfig that is not
+// there, found before anything on the host is touched.)
+func TestFatalErrorIsAJSONLine(t *testing.T) {
+	code, stderr := runCaptured(t, "--logging-format=json", "--kubeconfig=/no/such/kubeconfig", "--hostname-override=n1")
+	if code != 1 {
+		t.Fatalf("exit %d; want 1 (stderr %q)", code, stderr)
+	}
+	named := false
+	for _, line := range strings.Split(strings.TrimSpace(stderr), "\n") {
+		var fields map[string]any
+		if err := json.Unmarshal([]byte(line), &fields); err != nil {
+			t.Errorf("stderr line %q is not JSON: %v", line, err)
+		}
+		named = named || strings.Contains(line, "/no/such/kubeconfig")
+	}
+	if !named {
+		t.Errorf("no line names the missing kubeconfig: %q", stderr)
+	}
+}

@@ -7,6 +7,7 @@ package main
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"os"
 	"os/signal"
@@ -75,7 +76,9 @@ func runWith(args []string, serve func(context.Context, *Options) error) int {
 	opts.addFlags(cmd.Flags())
 	cmd.SetArgs(args)
 	if err := cmd.ExecuteContext(context.Background()); err != nil {
-		fmt.Fprintln(os.Stderr, "kpipe:", err)
+		if !errors.As(err, new(loggedError)) {
+			fmt.Fprintln(os.Stderr, "kpipe:", err)
+		}
 		return 1
 	}
 	return 0

@@ -25,6 +25,22 @@ import (
 // place: a restarted kpipe, or the next tree, takes them over.
 func serve(ctx context.Context, o *Options) error {
 	log := processLogger(o)
+	if err := serveLogged(ctx, o, log); err != nil {
+		// Once logging is set up, the error kpipe stops on is a log line in
+		// the chosen format, as kube-proxy's (cli.Run logs it through klog).
+		log.Error("kpipe stopped", "err", err)
+		return loggedError{err}
+	}
+	return nil
+}
+
+// loggedError is an error serve has logged: main does not print it again.
+type loggedError struct{ error }
+
+func (e loggedError) Unwrap() error { return e.error }
+
+// serveLogged is serve with its logger made.
+func serveLogged(ctx context.Context, o *Options, log *slog.Logger) error {
 	o.logLenientDecode(log)
 	if o.Cleanup {
 		return cleanup(ctx, log)
