@@ -6,6 +6,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"regexp"
 	"slices"
 	"strings"
 	"syscall"
@@ -98,24 +99,39 @@ func removeKubeFirewall(t *testing.T) {
 			}
 		}
 		payload += "-F KUBE-FIREWALL\n-X KUBE-FIREWALL\nCOMMIT\n"
-		file := filepath.Join(t.TempDir(), family+".rules")
-		if err := os.WriteFile(file, []byte(payload), 0o644); err != nil {
-			t.Fatal(err)
-		}
-		if out, err := tb.Exec(tb.NodeNS, family+"-restore", "-w", "5", "--noflush", file); err != nil {
-			t.Fatalf("%s-restore (remove KUBE-FIREWALL): %v %s", family, err, out)
+		if err := restoreInNode(t, family, payload); err != nil {
+			t.Fatalf("remove KUBE-FIREWALL: %v", err)
 		}
 	}
 }
 
-// kpipeChain says whether --cleanup must delete chain: kube-proxy's --cleanup
-// leaves KUBE-FIREWALL, which kubelet owns too.
+// restoreInNode writes payload with family's iptables-restore --noflush in the
+// node's namespace.
+func restoreInNode(t *testing.T, family, payload string) error {
+	t.Helper()
+	file := filepath.Join(t.TempDir(), family+".rules")
+	if err := os.WriteFile(file, []byte(payload), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if out, err := tb.Exec(tb.NodeNS, family+"-restore", "-w", "5", "--noflush", file); err != nil {
+		return fmt.Errorf("%s-restore: %w %s", family, err, out)
+	}
+	return nil
+}
+
+// kpipeChain says whether --cleanup must delete chain: kpipe's, and kube-proxy's
+// of its iptables and ipvs modes. kube-proxy's --cleanup leaves KUBE-FIREWALL,
+// which kubelet owns too.
 func kpipeChain(chain string) bool {
 	if chain == nf.ChainLocalnetFirewall {
 		return false
 	}
-	return chain == nf.ChainCanary || nf.KindOf(chain) != nf.KindOther
+	return chain == nf.ChainCanary || nf.KindOf(chain) != nf.KindOther || slices.Contains(kubeProxyIPVSChains, chain)
 }
+
+// kubeProxyIPVSChains are the chains kube-proxy v1.34's ipvs mode makes that its
+// iptables mode does not (pkg/proxy/ipvs/proxier.go, iptablesCleanupChains).
+var kubeProxyIPVSChains = []string{"KUBE-NODE-PORT", "KUBE-LOAD-BALANCER", "KUBE-SOURCE-RANGES-FIREWALL", "KUBE-IPVS-FILTER", "KUBE-IPVS-OUT-FILTER"}
 
 // kpipe --cleanup, run on a node kpipe has programmed, removes every chain and
 // jump of kpipe's (kube-proxy's) in both families, exits 0, and leaves another
@@ -154,16 +170,7 @@ func TestCleanupRemovesKpipeRules(t *testing.T) {
 	}
 	makeIPSets(t, "KUBE-CLUSTER-IP", "KUBE-6-CLUSTER-IP", "KUBE-LOOP-BACK", "cni-other", "KUBE-NOT-KUBE-PROXYS")
 	for run := 1; run <= 2; run++ {
-		code, out := runKpipeOnce(t, "--cleanup")
-		if code != 0 {
-			t.Fatalf("kpipe --cleanup (run %d): exit %d:\n%s", run, code, out)
-		}
-		if left := leftovers(t); len(left) > 0 {
-			t.Errorf("after --cleanup (run %d), left:\n%s", run, strings.Join(left, "\n"))
-		}
-		if got, want := nodeIPSets(t), []string{"KUBE-NOT-KUBE-PROXYS", "cni-other"}; !slices.Equal(got, want) {
-			t.Errorf("after --cleanup (run %d), ipsets %q; want %q (kube-proxy's ipvs-mode sets gone, the others kept)", run, got, want)
-		}
+		requireCleanedUp(t, run)
 	}
 	nat := e.iptablesSave("nat")
 	for _, want := range []string{":CNI-HOSTPORT-DNAT", "-A CNI-HOSTPORT-DNAT -p tcp -m tcp --dport 8080 -j RETURN", "-A PREROUTING -m addrtype --dst-type LOCAL -j CNI-HOSTPORT-DNAT"} {
@@ -172,6 +179,120 @@ func TestCleanupRemovesKpipeRules(t *testing.T) {
 		}
 	}
 	eventuallyDropped(t, "TCP ClusterIP from a pod, after --cleanup", tcp1, tb.Pod(clientPod).NS, addr)
+}
+
+// otherAgentFilter is another agent's filter chain, whose rule refers to its own
+// ipset, and rules of its own in built-in chains.
+var otherAgentFilter = []string{
+	"-A OTHER-AGENT -m set --match-set cni-other src -j ACCEPT",
+	"-A INPUT -j OTHER-AGENT",
+	`-A OUTPUT -p tcp -m tcp --dport 9999 -m comment --comment "other agent" -j ACCEPT`,
+}
+
+// kpipe --cleanup on a node that kube-proxy's ipvs mode programmed (the rules it
+// writes, netfilter/testdata, in both families) removes its chains and the
+// jumps into them, then its ipsets, which those rules refer to; another agent's
+// chain, its rules in built-in chains and its ipset stay. It exits 0, and again
+// when it finds nothing.
+func TestCleanupRemovesKubeProxyIPVSLeftovers(t *testing.T) {
+	e := setup(t)
+	e.restoreKpipeAtEnd()
+	t.Cleanup(func() { removeKubeFirewall(t) })
+	if err := e.k.Stop(); err != nil {
+		t.Fatalf("stop kpipe: %v", err)
+	}
+	// kube-proxy's ipvs mode programs the node after kpipe left it.
+	if code, out := runKpipeOnce(t, "--cleanup"); code != 0 {
+		t.Fatalf("kpipe --cleanup of kpipe's rules: exit %d:\n%s", code, out)
+	}
+	rules := map[string]string{"iptables": ipvsRules(t, "v4"), "ip6tables": ipvsRules(t, "v6")}
+	makeIPSets(t, append(referencedIPSets(rules["iptables"]+rules["ip6tables"]), "cni-other", "KUBE-NOT-KUBE-PROXYS")...)
+	t.Cleanup(func() { undoIPVSRules(t, rules) }) // before the ipsets go
+	for family, payload := range rules {
+		if err := restoreInNode(t, family, payload); err != nil {
+			t.Fatalf("write kube-proxy's ipvs-mode rules: %v", err)
+		}
+	}
+	if err := restoreInNode(t, "iptables", "*filter\n:OTHER-AGENT - [0:0]\n"+strings.Join(otherAgentFilter, "\n")+"\nCOMMIT\n"); err != nil {
+		t.Fatalf("write another agent's rules: %v", err)
+	}
+	t.Cleanup(func() {
+		_ = restoreInNode(t, "iptables", "*filter\n-D INPUT -j OTHER-AGENT\n-D"+strings.TrimPrefix(otherAgentFilter[2], "-A")+"\n-F OTHER-AGENT\n-X OTHER-AGENT\nCOMMIT\n")
+	})
+	if left := leftovers(t); len(left) == 0 {
+		t.Fatal("no kube-proxy chains before --cleanup: the check below could not fail")
+	}
+
+	for run := 1; run <= 2; run++ {
+		requireCleanedUp(t, run)
+		filter := e.iptablesSave("filter")
+		for _, want := range append([]string{":OTHER-AGENT"}, otherAgentFilter...) {
+			if !strings.Contains(filter, want) {
+				t.Errorf("--cleanup (run %d) removed another agent's %q; filter now:\n%s", run, want, filter)
+			}
+		}
+	}
+}
+
+// ipvsRules is what kube-proxy's ipvs mode writes in one family (v4, v6).
+func ipvsRules(t *testing.T, family string) string {
+	t.Helper()
+	b, err := os.ReadFile("../netfilter/testdata/kube-proxy-ipvs-" + family + ".rules")
+	if err != nil {
+		t.Fatal(err)
+	}
+	return string(b)
+}
+
+// referencedIPSets are the ipsets that rules match on, once each.
+func referencedIPSets(rules string) []string {
+	var names []string
+	for _, m := range regexp.MustCompile(`--match-set (\S+)`).FindAllStringSubmatch(rules, -1) {
+		if !slices.Contains(names, m[1]) {
+			names = append(names, m[1])
+		}
+	}
+	return names
+}
+
+// undoIPVSRules removes what is left of rules (by family) from the node, so
+// that the tests after a failed one find it as they expect: each jump they
+// inserted into a built-in chain, then the chains they declared (flushed
+// first, as they jump to each other).
+func undoIPVSRules(t *testing.T, rules map[string]string) {
+	t.Helper()
+	for family, payload := range rules {
+		var table, declared, deleted string
+		for _, l := range strings.Split(payload, "\n") {
+			switch f := strings.Fields(l); {
+			case strings.HasPrefix(l, "*"):
+				table, declared, deleted = l, "", ""
+			case strings.HasPrefix(l, ":"):
+				declared += l + "\n"
+				deleted += "-X " + f[0][1:] + "\n"
+			case strings.HasPrefix(l, "-I "): // -I CHAIN 1 rule
+				_ = restoreInNode(t, family, table+"\n-D "+f[1]+" "+strings.Join(f[3:], " ")+"\nCOMMIT\n")
+			case l == "COMMIT":
+				_ = restoreInNode(t, family, table+"\n"+declared+deleted+"COMMIT\n")
+			}
+		}
+	}
+}
+
+// requireCleanedUp runs kpipe --cleanup (the run-th time) and fails the test
+// unless it exits 0 and leaves none of kpipe's or kube-proxy's chains, jumps
+// and ipsets, and the two other ipsets the tests make (makeIPSets) stay.
+func requireCleanedUp(t *testing.T, run int) {
+	t.Helper()
+	if code, out := runKpipeOnce(t, "--cleanup"); code != 0 {
+		t.Errorf("kpipe --cleanup (run %d): exit %d:\n%s", run, code, out)
+	}
+	if left := leftovers(t); len(left) > 0 {
+		t.Errorf("after --cleanup (run %d), left:\n%s", run, strings.Join(left, "\n"))
+	}
+	if got, want := nodeIPSets(t), []string{"KUBE-NOT-KUBE-PROXYS", "cni-other"}; !slices.Equal(got, want) {
+		t.Errorf("after --cleanup (run %d), ipsets %q; want %q (kube-proxy's ipvs-mode sets gone, the others kept)", run, got, want)
+	}
 }
 
 const establishedSysctl = "/proc/sys/net/netfilter/nf_conntrack_tcp_timeout_established"

@@ -13,20 +13,44 @@ import (
 	"github.com/vishvananda/netlink"
 )
 
-// fixedChains are, per table, the fixed chains kube-proxy's iptables mode (and
-// kpipe) create and that kube-proxy's --cleanup deletes. KUBE-FIREWALL is not
-// among them: kubelet owns one of that name too, so kube-proxy leaves it.
+// The chains of kube-proxy's ipvs mode that its iptables mode has not
+// (pkg/proxy/ipvs, v1.34). kpipe never makes them; --cleanup deletes them.
+const (
+	ipvsChainNodePort        = "KUBE-NODE-PORT"
+	ipvsChainLoadBalancer    = "KUBE-LOAD-BALANCER"
+	ipvsChainSourceRangesFW  = "KUBE-SOURCE-RANGES-FIREWALL"
+	ipvsChainAccessFilter    = "KUBE-IPVS-FILTER"
+	ipvsChainOutAccessFilter = "KUBE-IPVS-OUT-FILTER"
+)
+
+// fixedChains are, per table, the fixed chains kube-proxy's iptables and ipvs
+// modes (and kpipe) create and that kube-proxy's --cleanup deletes.
+// KUBE-FIREWALL is not among them: kubelet owns one of that name too, so
+// kube-proxy leaves it.
 var fixedChains = map[string][]string{
-	TableNAT:    {ChainServices, ChainNodePorts, ChainPostrouting, ChainMarkMasq, ChainCanary},
-	TableFilter: {ChainServices, ChainExternalServices, ChainForward, ChainNodePorts, ChainProxyFirewall, ChainCanary},
+	TableNAT: {ChainServices, ChainNodePorts, ChainPostrouting, ChainMarkMasq, ChainCanary,
+		ipvsChainNodePort, ipvsChainLoadBalancer},
+	TableFilter: {ChainServices, ChainExternalServices, ChainForward, ChainNodePorts, ChainProxyFirewall, ChainCanary,
+		ipvsChainNodePort, ipvsChainSourceRangesFW, ipvsChainAccessFilter, ipvsChainOutAccessFilter},
 	TableMangle: {ChainCanary},
 }
 
-// Cleanup removes what kube-proxy's iptables mode and kpipe programmed in this
-// family: the jumps from the built-in chains, then every chain they own (the
-// fixed ones and the per-service and dispatch chains), each table in one
-// iptables-restore --noflush. Nobody else's rules or chains are touched. It goes
-// on past a failure and returns all errors.
+// ipvsJumps are the jumps of kube-proxy's ipvs mode (iptablesJumpChain) that
+// are not among its iptables mode's (Jumps): its nat jumps and its FORWARD
+// jump to KUBE-FORWARD are the same rules.
+var ipvsJumps = []Jump{
+	{TableFilter, "INPUT", ipvsChainNodePort, "kubernetes health check rules", nil},
+	{TableFilter, "INPUT", ChainProxyFirewall, "kube-proxy firewall rules", nil},
+	{TableFilter, "FORWARD", ChainProxyFirewall, "kube-proxy firewall rules", nil},
+	{TableFilter, "INPUT", ipvsChainAccessFilter, "kubernetes ipvs access filter", nil},
+	{TableFilter, "OUTPUT", ipvsChainOutAccessFilter, "kubernetes ipvs access filter", nil},
+}
+
+// Cleanup removes what kube-proxy's iptables and ipvs modes and kpipe
+// programmed in this family: the jumps from the built-in chains, then every
+// chain they own (the fixed ones and the per-service and dispatch chains), each
+// table in one iptables-restore --noflush. Nobody else's rules or chains are
+// touched. It goes on past a failure and returns all errors.
 func (t Tool) Cleanup(ctx context.Context) error {
 	var errs []error
 	existing := map[string]map[string]bool{}
@@ -41,7 +65,7 @@ func (t Tool) Cleanup(ctx context.Context) error {
 			existing[table][n] = true
 		}
 	}
-	for _, j := range Jumps(false) {
+	for _, j := range append(Jumps(false), ipvsJumps...) {
 		if existing[j.Table][j.To] {
 			errs = append(errs, t.deleteJump(ctx, j))
 		}
@@ -164,9 +188,10 @@ func kubeProxyIPSet(name string) bool {
 }
 
 // CleanupIPVS removes what kube-proxy's ipvs mode leaves in this network
-// namespace, as kube-proxy's --cleanup does: the kube-ipvs0 dummy link and
-// kube-proxy's ipsets, where they exist; nothing else. The ipsets go after the
-// iptables rules (Tool.Cleanup), which may refer to them. kube-proxy also
+// namespace besides its iptables rules, as kube-proxy's --cleanup does: the
+// kube-ipvs0 dummy link and kube-proxy's ipsets, where they exist; nothing
+// else. The ipsets go after the iptables rules (Tool.Cleanup), which refer to
+// them: the kernel refuses to destroy a set a rule matches on. kube-proxy also
 // flushes every IPVS virtual server; kpipe has no IPVS client and leaves them.
 func CleanupIPVS() error {
 	return errors.Join(removeIPVSLink(netlinkLinks{}), destroyKubeProxyIPSets())

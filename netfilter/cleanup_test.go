@@ -3,6 +3,8 @@ package netfilter
 import (
 	"context"
 	"fmt"
+	"os"
+	"regexp"
 	"slices"
 	"strings"
 	"syscall"
@@ -302,4 +304,121 @@ func sortedNames[T any](t *testing.T, list []T, err error, name func(T) string) 
 	}
 	slices.Sort(names)
 	return names
+}
+
+// kubeProxyIPVSChains are the chains kube-proxy v1.34's ipvs mode makes that its
+// iptables mode does not (pkg/proxy/ipvs/proxier.go, iptablesCleanupChains).
+var kubeProxyIPVSChains = map[string][]string{
+	TableNAT:    {"KUBE-NODE-PORT", "KUBE-LOAD-BALANCER"},
+	TableFilter: {"KUBE-NODE-PORT", "KUBE-SOURCE-RANGES-FIREWALL", "KUBE-IPVS-FILTER", "KUBE-IPVS-OUT-FILTER"},
+}
+
+// ipvsLeftovers is what kube-proxy's ipvs mode leaves in family's tables
+// (testdata), and the ipsets its rules refer to.
+func ipvsLeftovers(t *testing.T, f bus.Family) (rules []byte, ipsets []string) {
+	t.Helper()
+	file := map[bus.Family]string{bus.IPv4: "testdata/kube-proxy-ipvs-v4.rules", bus.IPv6: "testdata/kube-proxy-ipvs-v6.rules"}[f]
+	rules, err := os.ReadFile(file)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, m := range regexp.MustCompile(`--match-set (\S+)`).FindAllSubmatch(rules, -1) {
+		if name := string(m[1]); !slices.Contains(ipsets, name) {
+			ipsets = append(ipsets, name)
+		}
+	}
+	return rules, ipsets
+}
+
+// otherAgentRules are another agent's chain, a rule in it that refers to its
+// own ipset (one a family), and rules of its own in built-in chains: cleanup
+// leaves all of them.
+var otherAgentRules = []string{
+	"-A OTHER-AGENT -m set --match-set %s src -j ACCEPT",
+	"-A INPUT -j OTHER-AGENT",
+	`-A OUTPUT -p tcp -m tcp --dport 9999 -m comment --comment "other agent" -j ACCEPT`,
+}
+
+// otherAgent is otherAgentRules with its ipset named set, as the lines
+// ListChain prints and as a payload for iptables-restore.
+func otherAgent(set string) (rules []string, payload []byte) {
+	for _, r := range otherAgentRules {
+		rules = append(rules, strings.ReplaceAll(r, "%s", set))
+	}
+	return rules, []byte("*filter\n:OTHER-AGENT - [0:0]\n" + strings.Join(rules, "\n") + "\nCOMMIT\n")
+}
+
+// On a node kube-proxy's ipvs mode programmed, Cleanup then CleanupIPVS (the
+// order of kpipe --cleanup) remove its chains and the jumps into them in both
+// families, and then its ipsets, which its rules referred to; another agent's
+// chain, rules and ipset stay. A second run finds nothing to do.
+func TestCleanupRemovesKubeProxyIPVSLeftovers(t *testing.T) {
+	netnstest.RequireRoot(t)
+	ns := netnstest.New(t)
+	ns.Run(t, func() error {
+		ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+		defer cancel()
+		families := map[bus.Family]uint8{bus.IPv4: syscall.AF_INET, bus.IPv6: syscall.AF_INET6}
+		otherSets := map[bus.Family]string{bus.IPv4: "other-agent", bus.IPv6: "other-agent-6"}
+		for f, af := range families {
+			rules, ipsets := ipvsLeftovers(t, f)
+			for _, s := range append(ipsets, otherSets[f]) {
+				if err := netlink.IpsetCreate(s, "hash:ip", netlink.IpsetCreateOptions{Family: af}); err != nil {
+					netnstest.Unavailable(t, fmt.Sprintf("create ipset %s: %v", s, err))
+				}
+			}
+			_, others := otherAgent(otherSets[f])
+			for _, p := range [][]byte{rules, others} {
+				if err := (Tool{Family: f}).restoreTool(ctx, p); err != nil {
+					t.Fatalf("%v: program: %v", f, err)
+				}
+			}
+		}
+		for run := 1; run <= 2; run++ {
+			for f := range families {
+				tool := Tool{Family: f}
+				if err := tool.Cleanup(ctx); err != nil {
+					t.Errorf("run %d, %v: Cleanup: %v", run, f, err)
+				}
+				requireNoKubeProxyIPVSChains(t, tool)
+				others, _ := otherAgent(otherSets[f])
+				for _, r := range others {
+					mustHave(t, tool, TableFilter, strings.Fields(r)[1], r)
+				}
+			}
+			if err := CleanupIPVS(); err != nil {
+				t.Errorf("run %d: CleanupIPVS: %v", run, err)
+			}
+			if got, want := ipsetNames(t), []string{"other-agent", "other-agent-6"}; !slices.Equal(got, want) {
+				t.Errorf("run %d: ipsets %q; want %q", run, got, want)
+			}
+		}
+		return nil
+	})
+}
+
+// requireNoKubeProxyIPVSChains fails the test if tool's family still has one
+// of kube-proxy's ipvs-mode chains or a jump into a KUBE- chain.
+func requireNoKubeProxyIPVSChains(t *testing.T, tool Tool) {
+	t.Helper()
+	ctx := context.Background()
+	for table, owned := range kubeProxyIPVSChains {
+		chains, err := tool.ChainNames(ctx, table)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, c := range chains {
+			if slices.Contains(owned, c) || slices.Contains(fixedChains[table], c) {
+				t.Errorf("%v: %s/%s is left", tool.Family, table, c)
+			}
+		}
+		for _, builtin := range []string{"INPUT", "OUTPUT", "FORWARD", "PREROUTING", "POSTROUTING"} {
+			rules, _ := tool.ListChain(ctx, table, builtin)
+			for _, r := range rules {
+				if strings.Contains(r, "-j KUBE-") {
+					t.Errorf("%v: jump left: %s", tool.Family, r)
+				}
+			}
+		}
+	}
 }
