@@ -332,6 +332,12 @@ func (s *Stage) apply(ctx context.Context, plan *bus.Plan) error {
 		}
 	}
 	s.deleteUnwanted(ctx, w, deferred, full, plan)
+	if err := ctx.Err(); err != nil {
+		// Killed while deleting: a full sync whose stale chains were not all
+		// deleted is not done, and must not be answered as if it were (the
+		// restarted commit is sent it again).
+		return err
+	}
 	s.written = w.rulesWritten()
 	return nil
 }

@@ -668,3 +668,47 @@ func (h *countingHandler) atLeast(l slog.Level) int {
 	}
 	return n
 }
+
+// TestKilledWhileDeletingStaleChainsIsNoSuccess: a commit killed while a full
+// sync deletes its stale chains (the last part of it) has not done the full
+// sync: it must not answer OK, or coalesce stops asking for one and the stale
+// chain stays until the hourly full sync. (Seen in e2e
+// TestKillStagesDuringChurnAndFullSyncs: a stray KUBE-SEP- chain added by
+// hand was still there 30 s after the kill.) The restarted commit, sent the
+// full sync again, deletes it.
+func TestKilledWhileDeletingStaleChainsIsNoSuccess(t *testing.T) {
+	k := fakekernel.New()
+	const stray = nf.PrefixEndpoint + "STRAY"
+	k.Tables[nf.TableNAT][stray] = []string{"-A " + stray + " -j RETURN"}
+	s := testStage(k)
+	st := render.SyntheticState(3, 1)
+	ctx, kill := context.WithCancel(context.Background())
+	k.BeforeRestore = func(_ int, payload string) error {
+		if strings.Contains(payload, "-X "+stray) {
+			kill() // the supervisor kills commit while the delete is under way
+			return ctx.Err()
+		}
+		return nil
+	}
+	done := make(chan error, 1)
+	go func() { done <- s.Run(ctx) }()
+	s.p.In.Put(planOf(st, 5, true))
+	if err := <-done; err != nil {
+		t.Fatalf("Run: %v", err)
+	}
+	if r, ok := s.p.Results.TryTake(); ok && r.OK {
+		t.Fatalf("a full sync killed before its stale chains were deleted answered %+v; want no success", r)
+	}
+
+	k.BeforeRestore = nil
+	stop := runStage(t, s)
+	defer stop()
+	s.p.In.Put(planOf(st, 6, true)) // coalesce still wants the full sync
+	if r := take(t, s.p.Results, "result"); !r.OK || !r.Full {
+		t.Fatalf("result = %+v; want OK full", r)
+	}
+	if _, ok := k.Tables[nf.TableNAT][stray]; ok {
+		t.Errorf("the stale chain %s is still there after the full sync", stray)
+	}
+	requireFresh(t, k, st, "after the full sync")
+}
