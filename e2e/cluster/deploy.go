@@ -36,8 +36,13 @@ func (c *Cluster) DeployKpipe(ctx context.Context, root string) error {
 
 // RollBackToKubeProxy is deploy/README.md's short way back: `kubectl
 // rollout undo` of the DaemonSet, then kpipe's role dropped.
-func (c *Cluster) RollBackToKubeProxy(ctx context.Context) error {
-	if _, err := c.Kubectl(ctx, "", "-n", "kube-system", "rollout", "undo", "daemonset/kube-proxy"); err != nil {
+func (c *Cluster) RollBackToKubeProxy(ctx context.Context) error { return c.undoKpipe(ctx) }
+
+// undoKpipe rolls the kube-proxy DaemonSet back (`rollout undo` with
+// extra's flags), drops kpipe's role and waits for the rollout.
+func (c *Cluster) undoKpipe(ctx context.Context, extra ...string) error {
+	args := append([]string{"-n", "kube-system", "rollout", "undo", "daemonset/kube-proxy"}, extra...)
+	if _, err := c.Kubectl(ctx, "", args...); err != nil {
 		return err
 	}
 	if err := c.DropKpipeRole(ctx); err != nil {
@@ -67,13 +72,7 @@ func (c *Cluster) BackToKubeProxy(ctx context.Context) error {
 	if newest == 0 {
 		return fmt.Errorf("no revision of the kube-proxy DaemonSet runs %s:\n%s", c.Images.KubeProxy.Ref, out)
 	}
-	if _, err := c.Kubectl(ctx, "", "-n", "kube-system", "rollout", "undo", "daemonset/kube-proxy", fmt.Sprintf("--to-revision=%d", newest)); err != nil {
-		return err
-	}
-	if err := c.DropKpipeRole(ctx); err != nil {
-		return err
-	}
-	return c.WaitDaemonSet(ctx, "kube-proxy", 3*time.Minute)
+	return c.undoKpipe(ctx, fmt.Sprintf("--to-revision=%d", newest))
 }
 
 // DropKpipeRole deletes deploy/'s ClusterRole and binding, if there.

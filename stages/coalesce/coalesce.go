@@ -279,17 +279,11 @@ func (s *Stage) goesAt(f *familyState, now time.Time) time.Time {
 // mayGo says whether f's next snapshot may go now, and if so spends what it
 // takes: a token, or else the bypass of a snapshot that ends an outage.
 func (s *Stage) mayGo(f *familyState, now time.Time) bool {
-	if settled, ok := f.outages.settledAt(s.settle); ok && now.Before(settled) {
+	if now.Before(s.goesAt(f, now)) {
 		return false
 	}
-	switch {
-	case f.limiter.take(now):
-		f.outages.bypassed = false
-	case f.outages.mayBypass():
-		f.outages.bypassed = true
-	default:
-		return false
-	}
+	// goesAt said now: a token is there, or else the bypass is.
+	f.outages.bypassed = !f.limiter.take(now)
 	return true
 }
 
@@ -386,11 +380,9 @@ func (s *Stage) apply(st *bus.State, synced *bool, c bus.Change, seq uint64, all
 		keys := map[bus.ServiceKey]bool{}
 		for _, state := range []bus.State{*st, *c.Replay} {
 			for k := range state.Services {
-				mark(k)
 				keys[k] = true
 			}
 			for k := range state.Slices {
-				mark(k)
 				keys[k] = true
 			}
 		}
@@ -402,10 +394,11 @@ func (s *Stage) apply(st *bus.State, synced *bool, c bus.Change, seq uint64, all
 			st.Slices = map[bus.ServiceKey]map[string]*bus.EndpointSlice{}
 		}
 		*synced = true
-		mark(bus.ServiceKey{})
 		for k := range keys {
+			mark(k)
 			noteOutage(st, k, fams, now)
 		}
+		mark(bus.ServiceKey{})
 		s.log.Info("state replayed from watch", "services", len(st.Services))
 	}
 	for _, f := range fams {

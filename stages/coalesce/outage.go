@@ -79,35 +79,33 @@ type outages struct {
 	sent    map[bus.ServiceKey]reach     // each service's reach in the last snapshot that carried it
 	changed map[bus.ServiceKey]seen      // services changed since the last snapshot, as they are now
 	losing  map[bus.ServiceKey]time.Time // changed services that lose endpoints, since when
-	// gaining is how many changed services gain endpoints; bypassed says a
-	// snapshot went without a token since the last one that took a token.
-	gaining  int
+	gaining map[bus.ServiceKey]bool      // changed services that gain endpoints
+	// bypassed says a snapshot went without a token since the last one that
+	// took a token.
 	bypassed bool
 }
 
 func newOutages() outages {
-	return outages{sent: map[bus.ServiceKey]reach{}, changed: map[bus.ServiceKey]seen{}, losing: map[bus.ServiceKey]time.Time{}}
+	return outages{sent: map[bus.ServiceKey]reach{}, changed: map[bus.ServiceKey]seen{}, losing: map[bus.ServiceKey]time.Time{},
+		gaining: map[bus.ServiceKey]bool{}}
 }
 
 // note records key's reach in st after a change at now.
 func (o *outages) note(st *bus.State, key bus.ServiceKey, f bus.Family, now time.Time) {
-	was, known := o.sent[key]
-	if old, ok := o.changed[key]; ok && known && old.tracked && gained(was, old.reach) {
-		o.gaining--
-	}
 	r, tracked := reachOf(st, key, f)
 	o.changed[key] = seen{r, tracked}
-	if !tracked || !known {
+	was, known := o.sent[key]
+	compared := tracked && known // a new or gone service neither loses nor gains
+	switch {
+	case !compared || !lost(was, r):
 		delete(o.losing, key)
-		return
-	}
-	if !lost(was, r) {
-		delete(o.losing, key)
-	} else if _, ok := o.losing[key]; !ok {
+	case o.losing[key].IsZero(): // since the first change that lost them
 		o.losing[key] = now
 	}
-	if gained(was, r) {
-		o.gaining++
+	if compared && gained(was, r) {
+		o.gaining[key] = true
+	} else {
+		delete(o.gaining, key)
 	}
 }
 
@@ -122,7 +120,7 @@ func (o *outages) settledAt(settle time.Duration) (at time.Time, ok bool) {
 }
 
 // mayBypass says whether the next snapshot may go without a token.
-func (o *outages) mayBypass() bool { return o.gaining > 0 && !o.bypassed }
+func (o *outages) mayBypass() bool { return len(o.gaining) > 0 && !o.bypassed }
 
 // sentAll records that a snapshot of the current state went out.
 func (o *outages) sentAll() {
@@ -135,5 +133,5 @@ func (o *outages) sentAll() {
 	}
 	clear(o.changed)
 	clear(o.losing)
-	o.gaining = 0
+	clear(o.gaining)
 }
