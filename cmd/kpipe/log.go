@@ -31,27 +31,41 @@ func parseLevel(s string) (slog.Level, error) {
 	return l, nil
 }
 
-// newLogger makes the process logger, tint for people, JSON for machines, at
-// level; klog (client-go's logger) writes through the same handler, so every
-// line has one format.
+// newLogger makes a logger (makeLogger) and makes it the process's
+// (installLogger).
 func newLogger(w io.Writer, format, level string) *slog.Logger {
-	l, _ := parseLevel(level) // checked by Options.complete
-	logLevel.Set(l)
-	var h slog.Handler
-	if format == "json" {
-		h = slog.NewJSONHandler(w, &slog.HandlerOptions{Level: logLevel})
-	} else {
-		h = tint.NewHandler(w, &tint.Options{Level: logLevel, TimeFormat: textTimeFormat, NoColor: !isTerminal(w)})
-	}
-	klog.SetSlogLogger(slog.New(klogHandler{h}))
-	return slog.New(h)
+	log := makeLogger(w, format)
+	installLogger(log, level)
+	return log
 }
 
-// processLogger is kpipe's logger on stderr for o, klog's verbosity o's -v.
-func processLogger(o *Options) *slog.Logger {
-	log := newLogger(os.Stderr, o.LogFormat, o.LogLevel)
-	setKlogVerbosity(o.Verbosity)
-	return log
+// makeLogger makes a logger, tint for people, JSON for machines, at the
+// process's level (logLevel). It changes nothing of the process's.
+func makeLogger(w io.Writer, format string) *slog.Logger {
+	if format == "json" {
+		return slog.New(slog.NewJSONHandler(w, &slog.HandlerOptions{Level: logLevel}))
+	}
+	return slog.New(tint.NewHandler(w, &tint.Options{Level: logLevel, TimeFormat: textTimeFormat, NoColor: !isTerminal(w)}))
+}
+
+// installLogger makes log the process's: the process's level is level, and
+// klog (client-go's logger) writes through log's handler, so every line has
+// one format.
+func installLogger(log *slog.Logger, level string) {
+	l, _ := parseLevel(level) // checked by Options.complete
+	logLevel.Set(l)
+	klog.SetSlogLogger(slog.New(klogHandler{log.Handler()}))
+}
+
+// processLogger is kpipe's logger on stderr for o, and install, which makes
+// it the process's with klog's verbosity o's -v: a reload installs it only
+// once its configuration is taken.
+func processLogger(o *Options) (log *slog.Logger, install func()) {
+	log = makeLogger(os.Stderr, o.LogFormat)
+	return log, func() {
+		installLogger(log, o.LogLevel)
+		setKlogVerbosity(o.Verbosity)
+	}
 }
 
 // klogHandler is the handler klog writes through. klog's V(n) lines reach

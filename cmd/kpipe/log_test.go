@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"encoding/json"
 	"errors"
+	"log/slog"
 	"os"
 	"strings"
 	"testing"
@@ -146,5 +147,26 @@ func TestFatalErrorIsAJSONLine(t *testing.T) {
 	}
 	if !named {
 		t.Errorf("no line names the missing kubeconfig: %q", stderr)
+	}
+}
+
+// A reloaded configuration kpipe rejects (here: its kubeconfig is not
+// there) leaves the process's logging as it was: the level, and client-go's
+// (klog's) verbosity.
+func TestRejectedReloadKeepsTheLogging(t *testing.T) {
+	var buf bytes.Buffer
+	newLogger(&buf, "text", "info")
+	setKlogVerbosity(0)
+	t.Cleanup(func() { klog.ClearLogger(); logLevel.Set(slog.LevelInfo); setKlogVerbosity(0) })
+	o := defaultOptions()
+	o.LogFormat, o.LogLevel, o.Verbosity, o.Kubeconfig = "json", "debug", 6, "/no/such/kubeconfig"
+	if _, err := reconfigure(o, deps{}); err == nil {
+		t.Fatal("a configuration with no kubeconfig was taken")
+	}
+	if l := logLevel.Level(); l != slog.LevelInfo {
+		t.Errorf("log level %v after a rejected reload; want INFO, as before it", l)
+	}
+	if klog.V(6).Enabled() {
+		t.Error("klog's verbosity is the rejected configuration's 6")
 	}
 }

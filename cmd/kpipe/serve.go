@@ -24,7 +24,8 @@ import (
 // a new one with the new settings (runUntilReload). Stopping leaves every rule in
 // place: a restarted kpipe, or the next tree, takes them over.
 func serve(ctx context.Context, o *Options) error {
-	log := processLogger(o)
+	log, install := processLogger(o)
+	install()
 	if err := serveLogged(ctx, o, log); err != nil {
 		// Once logging is set up, the error kpipe stops on is a log line in
 		// the chosen format, as kube-proxy's (cli.Run logs it through klog).
@@ -59,9 +60,18 @@ func serveLogged(ctx context.Context, o *Options, log *slog.Logger) error {
 	}
 	d.afterSync = removeNFTablesMode
 	o.logIgnored(log)
-	return runReloading(ctx, o, d, watchConfigFile(ctx, o.ConfigFile, log), func(o *Options, d deps) (deps, error) {
-		return d.reconfigured(o, realNodeHost, processLogger(o))
-	})
+	return runReloading(ctx, o, d, watchConfigFile(ctx, o.ConfigFile, log), reconfigure)
+}
+
+// reconfigure is d for a reloaded configuration o (see deps.reconfigured).
+// Its logging becomes the process's only once it is taken.
+func reconfigure(o *Options, d deps) (deps, error) {
+	log, install := processLogger(o)
+	d, err := d.reconfigured(o, realNodeHost, log)
+	if err == nil {
+		install()
+	}
+	return d, err
 }
 
 // realDeps are the real dependencies: the apiserver client, iptables and
