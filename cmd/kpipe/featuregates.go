@@ -229,11 +229,3 @@ var kubeProxyFeatureGates = map[featuregate.Feature]featuregate.FeatureSpec{
 	"WindowsGracefulNodeShutdown":                         {Default: true, PreRelease: featuregate.Beta},
 	"WindowsHostNetwork":                                  {Default: false, PreRelease: featuregate.Deprecated},
 }
-
-// featureGate is kube-proxy's feature gates set from the values given
-// (complete has checked them). Its AddMetrics is kubernetes_feature_enabled,
-// with every gate kube-proxy lists.
-func featureGate(given map[string]bool) (featuregate.MutableFeatureGate, error) {
-	gate := kubeProxyFeatureGate()
-	return gate, gate.SetFromMap(given)
-}

@@ -28,10 +28,10 @@ func TestServedMetricsAreKubeProxys(t *testing.T) {
 	defer apiserver.Close()
 	o := defaultOptions()
 	o.Master = apiserver.URL
-	reg, _, err := registerMetrics(o, []bus.Family{bus.IPv4}, slog.New(slog.DiscardHandler))
-	if err != nil {
+	if err := o.complete(); err != nil {
 		t.Fatal(err)
 	}
+	reg, _ := registerMetrics(o, []bus.Family{bus.IPv4}, slog.New(slog.DiscardHandler))
 	host := strings.TrimPrefix(apiserver.URL, "http://")
 	requests := map[string]string{"host": host, "method": "GET", "code": "200"}
 	before := value(t, metrics.Served(reg), "rest_client_requests_total", requests)

@@ -241,8 +241,7 @@ func cleanup(ctx context.Context, log *slog.Logger) error {
 		errs = append(errs, err)
 	}
 	if err := errors.Join(errs...); err != nil {
-		log.Error("cleanup left rules behind", "err", err)
-		return err
+		return fmt.Errorf("cleanup left rules behind: %w", err) // serve logs it
 	}
 	log.Info("cleanup done: no kube-proxy rules left")
 	return nil

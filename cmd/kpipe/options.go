@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/spf13/pflag"
+	"k8s.io/component-base/featuregate"
 	kubeproxy "k8s.io/kube-proxy/config/v1alpha1"
 
 	"github.com/kpipe/kpipe/bus"
@@ -58,6 +59,7 @@ type Options struct {
 	ConfigFile      string
 	file            *kubeproxy.KubeProxyConfiguration // the --config file's, defaulted
 	lenientDecode   error                             // the strict decoding error of a --config file read leniently
+	gate            featuregate.MutableFeatureGate    // kube-proxy's feature gates, FeatureGates set (complete)
 	givenHostname   string                            // the flag's or the file's hostnameOverride, before the hostname fills it in
 	WriteConfigTo   string
 	Verbosity       int
@@ -228,9 +230,11 @@ func (o *Options) complete() error {
 	if o.KubeAPIQPS < 0 || o.KubeAPIBurst < 0 {
 		return usagef("--kube-api-qps and --kube-api-burst must not be negative")
 	}
-	if err := kubeProxyFeatureGate().SetFromMap(o.FeatureGates); err != nil {
+	gate := kubeProxyFeatureGate()
+	if err := gate.SetFromMap(o.FeatureGates); err != nil {
 		return usagef("--feature-gates (featureGates): %v", err)
 	}
+	o.gate = gate
 	o.givenHostname = strings.ToLower(strings.TrimSpace(o.HostnameOverride))
 	name, err := nodeName(o.HostnameOverride)
 	if err != nil {

@@ -112,6 +112,7 @@ func (o *Options) reread() (*Options, error) {
 func (o *Options) sameAs(p *Options) bool {
 	a, b := *o, *p
 	a.lenientDecode, b.lenientDecode = nil, nil
+	a.gate, b.gate = nil, nil // made from FeatureGates, which are compared
 	return reflect.DeepEqual(&a, &b)
 }
 
@@ -141,8 +142,7 @@ func runReloading(ctx context.Context, o *Options, d deps, changed <-chan struct
 		stopTree()
 		d.broadcaster.Shutdown() // the stopped tree's events
 		if err != nil {
-			d.log.Error("kpipe stopping", "err", err)
-			return err
+			return err // serve logs it
 		}
 		if next == nil {
 			d.log.Info("kpipe stopped; rules left in place")

@@ -88,9 +88,7 @@ func realDeps(o *Options, log *slog.Logger) (deps, error) {
 	for _, f := range families {
 		d.kernels[f], d.canaries[f] = nf.Tool{Family: f, Writer: writer}, nf.Tool{Family: f}
 	}
-	if d.registry, d.metrics, err = registerMetrics(o, families, log); err != nil {
-		return deps{}, err
-	}
+	d.registry, d.metrics = registerMetrics(o, families, log)
 	return d.reconfigured(o, realNodeHost, log)
 }
 
@@ -98,12 +96,8 @@ func realDeps(o *Options, log *slog.Logger) (deps, error) {
 // component-base's global one (served beside it: metrics.Served) what kube-proxy
 // records there at start: the feature gates and the build. The Go and process
 // collectors are component-base's: kpipe's registry has none.
-func registerMetrics(o *Options, families []bus.Family, log *slog.Logger) (*prometheus.Registry, *metrics.Metrics, error) {
-	gate, err := featureGate(o.FeatureGates)
-	if err != nil {
-		return nil, nil, fmt.Errorf("--feature-gates: %w", err)
-	}
-	gate.AddMetrics()
+func registerMetrics(o *Options, families []bus.Family, log *slog.Logger) (*prometheus.Registry, *metrics.Metrics) {
+	o.gate.AddMetrics()
 	metrics.SetKubernetesBuildInfo(buildLabels())
 	reg := prometheus.NewRegistry()
 	registerFamilies(reg, families)
@@ -114,7 +108,7 @@ func registerMetrics(o *Options, families []bus.Family, log *slog.Logger) (*prom
 		Help: "Rule writes the netlink writer encoded but the kernel refused, which iptables-restore then made (or was refused too).",
 	}, func() float64 { return float64(nf.NetlinkFallbacks.Load()) }))
 	reg.MustRegister(metrics.NFAcct{Reader: nf.NFAcct{}, InvalidDropped: nf.NFAcctInvalidDropped, LocalhostNodePorts: nf.NFAcctLocalhostNodePorts, Log: log})
-	return reg, m, nil
+	return reg, m
 }
 
 // reconfigured are d for the options o: a new apiserver client and event
