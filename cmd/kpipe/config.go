@@ -48,7 +48,7 @@ func (o *Options) applyConfigFile(fs *pflag.FlagSet) error {
 func loadConfigFile(path string) (c *kubeproxy.KubeProxyConfiguration, strictErr, err error) {
 	data, err := os.ReadFile(path)
 	if err != nil {
-		return nil, nil, usagef("--config: %v", err)
+		return nil, nil, fmt.Errorf("--config: %v", err)
 	}
 	obj, gvk, err := decodeConfig(data, serializer.EnableStrict)
 	if runtime.IsStrictDecodingError(err) {
@@ -56,11 +56,11 @@ func loadConfigFile(path string) (c *kubeproxy.KubeProxyConfiguration, strictErr
 		obj, gvk, err = decodeConfig(data, serializer.DisableStrict)
 	}
 	if err != nil {
-		return nil, nil, usagef("--config %s: %v", path, err)
+		return nil, nil, fmt.Errorf("--config %s: %v", path, err)
 	}
 	c, ok := obj.(*kubeproxy.KubeProxyConfiguration)
 	if !ok {
-		return nil, nil, usagef("--config %s: got %v, want kubeproxy.config.k8s.io/v1alpha1 KubeProxyConfiguration", path, gvk)
+		return nil, nil, fmt.Errorf("--config %s: got %v, want kubeproxy.config.k8s.io/v1alpha1 KubeProxyConfiguration", path, gvk)
 	}
 	setConfigDefaults(c)
 	return c, strictErr, nil
@@ -156,7 +156,7 @@ func withDefaultPort(addr string, port int) string {
 // (--master and kpipe's own flags have no field in it).
 func (o *Options) applyConfig(c *kubeproxy.KubeProxyConfiguration, fs *pflag.FlagSet) error {
 	if c.Mode != "" && c.Mode != "iptables" {
-		return usagef("--config: mode %q is not supported: kpipe implements only the 'iptables' mode", c.Mode)
+		return fmt.Errorf("--config: mode %q is not supported: kpipe implements only the 'iptables' mode", c.Mode)
 	}
 	o.file = c
 	o.Kubeconfig = c.ClientConnection.Kubeconfig
@@ -214,12 +214,7 @@ func (o *Options) applyLoggingConfig(c *kubeproxy.KubeProxyConfiguration, fs *pf
 // levelOfVerbosity maps kube-proxy's klog verbosity onto kpipe's levels: kpipe's
 // info level already logs what klog shows at -v=2 (each sync, each skip), and its
 // debug level holds what klog shows from -v=4 (per-object detail).
-func levelOfVerbosity(v int) string {
-	if v >= 4 {
-		return "debug"
-	}
-	return "info"
-}
+func levelOfVerbosity(v int) string { return strings.ToLower(levelOfV(v).String()) }
 
 // effectiveConfig is the configuration kpipe runs with, in the v1alpha1 shape:
 // the file's (or, without one, kube-proxy's defaults) with what kpipe resolved

@@ -98,8 +98,10 @@ func (h klogHandler) WithGroup(name string) slog.Handler {
 
 // levelOfV is the slog level of klog's verbosity v.
 func levelOfV(v int) slog.Level {
-	l, _ := parseLevel(levelOfVerbosity(v))
-	return l
+	if v >= 4 {
+		return slog.LevelDebug
+	}
+	return slog.LevelInfo
 }
 
 // setKlogVerbosity sets klog's -v, as kube-proxy's flag does.

@@ -53,7 +53,7 @@ func runWith(args []string, serve func(context.Context, *Options) error) int {
 		SilenceErrors: true,
 		Args: func(_ *cobra.Command, args []string) error {
 			if len(args) > 0 {
-				return usagef("unexpected arguments %q: kpipe takes only flags", args)
+				return fmt.Errorf("unexpected arguments %q: kpipe takes only flags", args)
 			}
 			return nil
 		},

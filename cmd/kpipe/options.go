@@ -134,12 +134,8 @@ func (o *Options) addFlags(fs *pflag.FlagSet) {
 	o.addKubeProxyFlags(fs)
 }
 
-// usagef is an error in the flags or the configuration file. kpipe exits 1
-// for it, as for any other error, as kube-proxy does.
-func usagef(format string, args ...any) error { return fmt.Errorf(format, args...) }
-
 // finish turns parsed flags into the options kpipe runs with: the config file
-// under the flags (resolve), then checked (complete). Start-up and each reload
+// and the flags it leaves to the command line (resolve), then checked (complete). Start-up and each reload
 // of the config file go through it.
 func (o *Options) finish(fs *pflag.FlagSet) error {
 	if err := o.resolve(fs); err != nil {
@@ -151,28 +147,28 @@ func (o *Options) finish(fs *pflag.FlagSet) error {
 // complete checks the options and derives the parsed forms.
 func (o *Options) complete() error {
 	if o.ProxyMode != "iptables" && o.ProxyMode != "" {
-		return usagef("--proxy-mode %q is not supported: kpipe implements only the 'iptables' mode", o.ProxyMode)
+		return fmt.Errorf("--proxy-mode %q is not supported: kpipe implements only the 'iptables' mode", o.ProxyMode)
 	}
 	if o.SyncPeriod <= 0 {
-		return usagef("--iptables-sync-period must be positive, got %v", o.SyncPeriod)
+		return fmt.Errorf("--iptables-sync-period must be positive, got %v", o.SyncPeriod)
 	}
 	if o.MinSyncPeriod < 0 || o.MinSyncPeriod > o.SyncPeriod {
-		return usagef("--iptables-min-sync-period must be between 0 and --iptables-sync-period, got %v", o.MinSyncPeriod)
+		return fmt.Errorf("--iptables-min-sync-period must be between 0 and --iptables-sync-period, got %v", o.MinSyncPeriod)
 	}
 	if o.CanaryInterval == 0 {
 		o.CanaryInterval = o.SyncPeriod
 	}
 	if o.CanaryInterval < 0 {
-		return usagef("--canary-interval must be positive, got %v", o.CanaryInterval)
+		return fmt.Errorf("--canary-interval must be positive, got %v", o.CanaryInterval)
 	}
 	if o.MasqueradeBit < 0 || o.MasqueradeBit > 31 {
-		return usagef("--iptables-masquerade-bit must be 0 to 31, got %d", o.MasqueradeBit)
+		return fmt.Errorf("--iptables-masquerade-bit must be 0 to 31, got %d", o.MasqueradeBit)
 	}
 	if o.OOMScoreAdj < -1000 || o.OOMScoreAdj > 1000 {
-		return usagef("--oom-score-adj must be -1000 to 1000, got %d", o.OOMScoreAdj)
+		return fmt.Errorf("--oom-score-adj must be -1000 to 1000, got %d", o.OOMScoreAdj)
 	}
 	if c := o.Conntrack; c.MaxPerCore < 0 || c.Min < 0 || c.TCPEstablishedTimeout < 0 || c.TCPCloseWaitTimeout < 0 || c.UDPTimeout < 0 || c.UDPStreamTimeout < 0 {
-		return usagef("--conntrack-* settings must not be negative, got %+v", c)
+		return fmt.Errorf("--conntrack-* settings must not be negative, got %+v", c)
 	}
 	o.clusterCIDRs = nil
 	switch o.DetectLocalMode {
@@ -185,14 +181,14 @@ func (o *Options) complete() error {
 	case render.DetectNodeCIDR:
 	case render.DetectBridgeInterface:
 		if o.PodBridgeInterface == "" {
-			return usagef("--detect-local-mode=BridgeInterface needs --pod-bridge-interface")
+			return fmt.Errorf("--detect-local-mode=BridgeInterface needs --pod-bridge-interface")
 		}
 	case render.DetectInterfacePrefix:
 		if o.PodInterfaceprefix == "" {
-			return usagef("--detect-local-mode=InterfaceNamePrefix needs --pod-interface-name-prefix")
+			return fmt.Errorf("--detect-local-mode=InterfaceNamePrefix needs --pod-interface-name-prefix")
 		}
 	default:
-		return usagef("--detect-local-mode %q: must be ClusterCIDR, NodeCIDR, BridgeInterface or InterfaceNamePrefix", o.DetectLocalMode)
+		return fmt.Errorf("--detect-local-mode %q: must be ClusterCIDR, NodeCIDR, BridgeInterface or InterfaceNamePrefix", o.DetectLocalMode)
 	}
 	o.nodePortCIDRs, o.nodePortPrimary = nil, false
 	for _, a := range o.NodePortAddresses {
@@ -202,18 +198,18 @@ func (o *Options) complete() error {
 		}
 		p, err := netip.ParsePrefix(a)
 		if err != nil {
-			return usagef("--nodeport-addresses %q: must be CIDRs or 'primary': %v", a, err)
+			return fmt.Errorf("--nodeport-addresses %q: must be CIDRs or 'primary': %v", a, err)
 		}
 		o.nodePortCIDRs = append(o.nodePortCIDRs, p.Masked())
 	}
 	o.nodePortCIDRs = withoutZeroFamilies(o.nodePortCIDRs)
 	if o.nodePortPrimary && len(o.nodePortCIDRs) > 0 {
-		return usagef("--nodeport-addresses: 'primary' cannot be combined with CIDRs")
+		return fmt.Errorf("--nodeport-addresses: 'primary' cannot be combined with CIDRs")
 	}
 	switch o.LogFormat {
 	case "text", "json":
 	default:
-		return usagef("--log-format %q: must be text or json", o.LogFormat)
+		return fmt.Errorf("--log-format %q: must be text or json", o.LogFormat)
 	}
 	if _, err := parseLevel(o.LogLevel); err != nil {
 		return err
@@ -228,17 +224,19 @@ func (o *Options) complete() error {
 		return err
 	}
 	if o.KubeAPIQPS < 0 || o.KubeAPIBurst < 0 {
-		return usagef("--kube-api-qps and --kube-api-burst must not be negative")
+		return fmt.Errorf("--kube-api-qps and --kube-api-burst must not be negative")
 	}
 	gate := kubeProxyFeatureGate()
 	if err := gate.SetFromMap(o.FeatureGates); err != nil {
-		return usagef("--feature-gates (featureGates): %v", err)
+		return fmt.Errorf("--feature-gates (featureGates): %v", err)
 	}
 	o.gate = gate
-	o.givenHostname = strings.ToLower(strings.TrimSpace(o.HostnameOverride))
 	name, err := nodeName(o.HostnameOverride)
 	if err != nil {
 		return err
+	}
+	if o.HostnameOverride != "" {
+		o.givenHostname = name // as given: not the hostname nodeName fell back to
 	}
 	o.HostnameOverride = name
 	return nil
@@ -255,12 +253,12 @@ func parseClusterCIDRs(list string) ([]netip.Prefix, error) {
 		}
 		p, err := netip.ParsePrefix(c)
 		if err != nil {
-			return nil, usagef("--cluster-cidr (clusterCIDR) %q: %v", c, err)
+			return nil, fmt.Errorf("--cluster-cidr (clusterCIDR) %q: %v", c, err)
 		}
 		cidrs = append(cidrs, p.Masked())
 	}
 	if len(cidrs) > 2 || len(cidrs) == 2 && cidrs[0].Addr().Is4() == cidrs[1].Addr().Is4() {
-		return nil, usagef("--cluster-cidr (clusterCIDR) %q: must be one CIDR or a dual-stack pair (one IPv4, one IPv6)", list)
+		return nil, fmt.Errorf("--cluster-cidr (clusterCIDR) %q: must be one CIDR or a dual-stack pair (one IPv4, one IPv6)", list)
 	}
 	return cidrs, nil
 }
@@ -273,7 +271,7 @@ func parseClusterCIDRs(list string) ([]netip.Prefix, error) {
 func (o *Options) checkAddresses() error {
 	if o.BindAddress != "" {
 		if _, err := netip.ParseAddr(o.BindAddress); err != nil {
-			return usagef("--bind-address (bindAddress) %q: must be an IP address", o.BindAddress)
+			return fmt.Errorf("--bind-address (bindAddress) %q: must be an IP address", o.BindAddress)
 		}
 	}
 	for _, a := range []struct{ names, addr string }{
@@ -285,13 +283,13 @@ func (o *Options) checkAddresses() error {
 		}
 		host, port, err := net.SplitHostPort(a.addr)
 		if err != nil {
-			return usagef("%s %q: must be IP:port", a.names, a.addr)
+			return fmt.Errorf("%s %q: must be IP:port", a.names, a.addr)
 		}
 		if _, err := netip.ParseAddr(host); err != nil {
-			return usagef("%s %q: %q is not an IP address", a.names, a.addr, host)
+			return fmt.Errorf("%s %q: %q is not an IP address", a.names, a.addr, host)
 		}
 		if p, err := strconv.Atoi(port); err != nil || p < 0 || p > 65535 {
-			return usagef("%s %q: port %q must be 0 to 65535", a.names, a.addr, port)
+			return fmt.Errorf("%s %q: port %q must be 0 to 65535", a.names, a.addr, port)
 		}
 	}
 	return nil
@@ -303,7 +301,7 @@ func (o *Options) checkAddresses() error {
 func nodeName(override string) (string, error) {
 	name := strings.TrimSpace(override)
 	if name == "" && override != "" {
-		return "", usagef("--hostname-override (hostnameOverride) %q: empty after trimming spaces", override)
+		return "", fmt.Errorf("--hostname-override (hostnameOverride) %q: empty after trimming spaces", override)
 	}
 	if name == "" {
 		h, err := os.Hostname()
@@ -398,5 +396,5 @@ func (o *Options) writer() (nf.Writer, error) {
 	case "restore":
 		return nf.WriterRestore, nil
 	}
-	return 0, usagef("--iptables-writer %q: must be netlink or restore", o.IptablesWriter)
+	return 0, fmt.Errorf("--iptables-writer %q: must be netlink or restore", o.IptablesWriter)
 }
