@@ -7,7 +7,9 @@ import (
 	"fmt"
 	"os"
 	"os/exec"
+	"slices"
 	"strings"
+	"syscall"
 	"time"
 
 	"github.com/vishvananda/netlink"
@@ -174,18 +176,17 @@ var ipvsIPSets = []string{
 	"KUBE-NODE-PORT-SCTP-HASH", "KUBE-NODE-PORT-LOCAL-SCTP-HASH", "KUBE-HEALTH-CHECK-NODE-PORT", "KUBE-IPVS-IPS",
 }
 
-// kubeProxyIPSet says whether name is one of kube-proxy's ipsets: an IPv4 name
-// of ipvsIPSets, or its IPv6 twin, whose "KUBE-" kube-proxy makes "KUBE-6-"
-// and cuts to the kernel's 31 characters.
-func kubeProxyIPSet(name string) bool {
+// kubeProxyIPSets are kube-proxy's ipsets: the IPv4 names of ipvsIPSets and
+// their IPv6 twins, whose "KUBE-" kube-proxy makes "KUBE-6-" and cuts to the
+// kernel's 31 characters.
+var kubeProxyIPSets = func() []string {
+	names := slices.Clone(ipvsIPSets)
 	for _, v4 := range ipvsIPSets {
 		v6 := "KUBE-6-" + strings.TrimPrefix(v4, "KUBE-")
-		if name == v4 || name == v6[:min(len(v6), 31)] {
-			return true
-		}
+		names = append(names, v6[:min(len(v6), 31)])
 	}
-	return false
-}
+	return names
+}()
 
 // CleanupIPVS removes what kube-proxy's ipvs mode leaves in this network
 // namespace besides its iptables rules, as kube-proxy's --cleanup does: the
@@ -232,21 +233,17 @@ func removeIPVSLink(l links) error {
 // ipsetModule is there when the kernel has ipsets; without, none can exist.
 const ipsetModule = "/sys/module/ip_set"
 
-// destroyKubeProxyIPSets destroys kube-proxy's ipsets that exist.
+// destroyKubeProxyIPSets destroys those of kube-proxy's ipsets that exist.
 func destroyKubeProxyIPSets() error {
 	if _, err := os.Stat(ipsetModule); err != nil {
 		return nil
 	}
-	sets, err := netlink.IpsetListAll()
-	if err != nil {
-		return fmt.Errorf("list ipsets: %w", err)
-	}
+	// Each by name, as kube-proxy does: listing them all would read every
+	// member of every set on the node (a CNI's may hold thousands).
 	var errs []error
-	for _, s := range sets {
-		if kubeProxyIPSet(s.SetName) {
-			if err := netlink.IpsetDestroy(s.SetName); err != nil {
-				errs = append(errs, fmt.Errorf("destroy ipset %s: %w", s.SetName, err))
-			}
+	for _, name := range kubeProxyIPSets {
+		if err := netlink.IpsetDestroy(name); err != nil && !errors.Is(err, syscall.ENOENT) {
+			errs = append(errs, fmt.Errorf("destroy ipset %s: %w", name, err))
 		}
 	}
 	return errors.Join(errs...)

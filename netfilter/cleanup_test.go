@@ -88,12 +88,9 @@ func TestCleanupRemovesKubeProxyChainsAndLeavesOthers(t *testing.T) {
 						}
 					}
 				}
-				for _, builtin := range []string{"INPUT", "OUTPUT", "FORWARD", "PREROUTING", "POSTROUTING"} {
-					rules, _ := tool.ListChain(ctx, table, builtin)
-					for _, r := range rules {
-						if strings.Contains(r, "-j KUBE-") && !strings.HasSuffix(r, "-j KUBE-FIREWALL") {
-							t.Errorf("%v: jump left: %s", f, r)
-						}
+				for _, r := range builtinRules(t, tool, table) {
+					if strings.Contains(r, "-j KUBE-") && !strings.HasSuffix(r, "-j KUBE-FIREWALL") {
+						t.Errorf("%v: jump left: %s", f, r)
 					}
 				}
 			}
@@ -412,13 +409,31 @@ func requireNoKubeProxyIPVSChains(t *testing.T, tool Tool) {
 				t.Errorf("%v: %s/%s is left", tool.Family, table, c)
 			}
 		}
-		for _, builtin := range []string{"INPUT", "OUTPUT", "FORWARD", "PREROUTING", "POSTROUTING"} {
-			rules, _ := tool.ListChain(ctx, table, builtin)
-			for _, r := range rules {
-				if strings.Contains(r, "-j KUBE-") {
-					t.Errorf("%v: jump left: %s", tool.Family, r)
-				}
+		for _, r := range builtinRules(t, tool, table) {
+			if strings.Contains(r, "-j KUBE-") {
+				t.Errorf("%v: jump left: %s", tool.Family, r)
 			}
 		}
 	}
+}
+
+// builtinChains are the built-in chains of the tables kpipe writes.
+var builtinChains = map[string][]string{
+	TableNAT:    {"PREROUTING", "INPUT", "OUTPUT", "POSTROUTING"},
+	TableFilter: {"INPUT", "FORWARD", "OUTPUT"},
+}
+
+// builtinRules are the rules of table's built-in chains in tool's family,
+// failing the test if one cannot be listed.
+func builtinRules(t *testing.T, tool Tool, table string) []string {
+	t.Helper()
+	var rules []string
+	for _, chain := range builtinChains[table] {
+		r, err := tool.ListChain(context.Background(), table, chain)
+		if err != nil {
+			t.Fatalf("%v: list %s/%s: %v", tool.Family, table, chain, err)
+		}
+		rules = append(rules, r...)
+	}
+	return rules
 }
