@@ -1,8 +1,6 @@
 package e2e
 
 import (
-	"context"
-	"errors"
 	"fmt"
 	"os/exec"
 	"path/filepath"
@@ -237,18 +235,7 @@ func sendSynFin(ip string, firstPort, n int) error {
 func oneShot(t *testing.T, bin string, args ...string) (int, string) {
 	t.Helper()
 	args = append(args, "--write-config-to="+filepath.Join(t.TempDir(), "written.conf"))
-	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
-	defer cancel()
-	out, err := exec.CommandContext(ctx, bin, args...).CombinedOutput()
-	var exit *exec.ExitError
-	switch {
-	case err == nil:
-		return 0, string(out)
-	case errors.As(err, &exit) && ctx.Err() == nil:
-		return exit.ExitCode(), string(out)
-	}
-	t.Fatalf("%s %q: %v\n%s", bin, args, err, out)
-	return 0, ""
+	return runOnce(t, 30*time.Second, bin, args...)
 }
 
 // oneShotBinaries are upstream kube-proxy's binary and kpipe's.

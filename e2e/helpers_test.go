@@ -7,6 +7,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"os/exec"
 	"regexp"
 	"slices"
 	"sort"
@@ -372,4 +373,22 @@ func keepNodeSysctl(t *testing.T, path string) {
 			t.Errorf("cleanup: put %s back: %v", path, err)
 		}
 	})
+}
+
+// runOnce runs a one-shot command and returns its exit code and output; one
+// that runs on past timeout, or cannot run, fails the test.
+func runOnce(t *testing.T, timeout time.Duration, name string, args ...string) (int, string) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), timeout)
+	defer cancel()
+	out, err := exec.CommandContext(ctx, name, args...).CombinedOutput()
+	var exit *exec.ExitError
+	switch {
+	case err == nil:
+		return 0, string(out)
+	case errors.As(err, &exit) && ctx.Err() == nil:
+		return exit.ExitCode(), string(out)
+	}
+	t.Fatalf("%s %q: %v\n%s", name, args, err, out)
+	return 0, ""
 }

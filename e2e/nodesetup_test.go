@@ -1,10 +1,8 @@
 package e2e
 
 import (
-	"errors"
 	"fmt"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"regexp"
 	"slices"
@@ -27,27 +25,7 @@ func runKpipeOnce(t *testing.T, args ...string) (int, string) {
 	if kpipeErr != nil {
 		t.Fatalf("kpipe unavailable: %v", kpipeErr)
 	}
-	cmd := exec.Command("ip", append([]string{"netns", "exec", tb.NodeNS, tb.Kpipe().Bin}, args...)...)
-	done := make(chan struct{})
-	timer := time.AfterFunc(time.Minute, func() {
-		select {
-		case <-done:
-		default:
-			_ = cmd.Process.Kill() // a one-shot mode that runs on is a failure, not a hang
-		}
-	})
-	defer timer.Stop()
-	out, err := cmd.CombinedOutput()
-	close(done)
-	var exit *exec.ExitError
-	switch {
-	case err == nil:
-		return 0, string(out)
-	case errors.As(err, &exit):
-		return exit.ExitCode(), string(out)
-	}
-	t.Fatalf("run kpipe %q: %v", args, err)
-	return -1, ""
+	return runOnce(t, time.Minute, "ip", append([]string{"netns", "exec", tb.NodeNS, tb.Kpipe().Bin}, args...)...)
 }
 
 // leftovers lists, for both families, the chains of kpipe or kube-proxy and the
