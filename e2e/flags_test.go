@@ -274,7 +274,7 @@ func TestValidationAsKubeProxy(t *testing.T) {
 		{[]string{"--iptables-masquerade-bit=32"}, "32"},
 		{[]string{"--healthz-bind-address=nope"}, "nope"},
 		{[]string{"--healthz-bind-address=1.2.3.4:99999"}, "99999"},
-		{[]string{"--metrics-bind-address=127.0.0.1:metrics"}, "metrics"},
+		{[]string{"--metrics-bind-address=127.0.0.1:metrics"}, "127.0.0.1:metrics"},
 		{[]string{"--bind-address=node-1"}, "node-1"},
 		{[]string{"--hostname-override=  "}, "hostname-override"},
 		{[]string{"--cluster-cidr=10.0.0.0/8,10.1.0.0/16"}, "10.1.0.0/16"},
