@@ -323,7 +323,6 @@ func (s *Stage) apply(ctx context.Context, plan *bus.Plan) error {
 		}
 	}
 	if full {
-		s.ledger.synced = true
 		if s.localnetFirewall {
 			// Only now that the KUBE-FIREWALL rule guards 127.0.0.0/8 (CVE-2020-8558).
 			if err := s.kernel.WriteSysctl("net/ipv4/conf/all/route_localnet", "1"); err != nil {
@@ -334,9 +333,13 @@ func (s *Stage) apply(ctx context.Context, plan *bus.Plan) error {
 	s.deleteUnwanted(ctx, w, deferred, full, plan)
 	if err := ctx.Err(); err != nil {
 		// Killed while deleting: a full sync whose stale chains were not all
-		// deleted is not done, and must not be answered as if it were (the
-		// restarted commit is sent it again).
+		// deleted is not done. It is neither answered as if it were (the
+		// restarted commit is sent it again) nor taken for done by the ledger
+		// (the next plan, whatever it asks, is written as a full sync).
 		return err
+	}
+	if full {
+		s.ledger.synced = true
 	}
 	s.written = w.rulesWritten()
 	return nil

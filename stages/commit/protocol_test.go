@@ -712,3 +712,38 @@ func TestKilledWhileDeletingStaleChainsIsNoSuccess(t *testing.T) {
 	}
 	requireFresh(t, k, st, "after the full sync")
 }
+
+// TestKilledFullSyncIsWrittenFullAgain: after a commit killed while a full
+// sync deleted its stale chains, the ledger does not count that sync as done:
+// the next plan, even one not marked full (a repair's apply of the last plan,
+// as in e2e TestKillStagesDuringChurnAndFullSyncs, where a stray KUBE-SEP-
+// chain outlived the kill by 11 s), is written as a full sync and deletes
+// them.
+func TestKilledFullSyncIsWrittenFullAgain(t *testing.T) {
+	k := fakekernel.New()
+	const stray = nf.PrefixEndpoint + "STRAY"
+	k.Tables[nf.TableNAT][stray] = []string{"-A " + stray + " -j RETURN"}
+	s := testStage(k)
+	st := render.SyntheticState(3, 1)
+	ctx, kill := context.WithCancel(context.Background())
+	k.BeforeRestore = func(_ int, payload string) error {
+		if strings.Contains(payload, "-X "+stray) {
+			kill()
+			return ctx.Err()
+		}
+		return nil
+	}
+	if err := s.apply(ctx, planOf(st, 5, true)); err == nil {
+		t.Fatal("a full sync killed while deleting its stale chains returned no error")
+	}
+	k.BeforeRestore = nil
+	stop := runStage(t, s)
+	defer stop()
+	s.p.In.Put(planOf(st, 6, false))
+	if r := take(t, s.p.Results, "result"); !r.OK || !r.Full {
+		t.Fatalf("result = %+v; want OK, written as a full sync", r)
+	}
+	if _, ok := k.Tables[nf.TableNAT][stray]; ok {
+		t.Errorf("the stale chain %s is still there", stray)
+	}
+}
