@@ -31,23 +31,16 @@ func expectedDigest(family bus.Family, table, rules string) (digest uint64, ok b
 		s.x = newRuleTranslator(family)
 	}
 	x, n, d := s.x, &s.n, newDigest()
-	args := s.args[:0]
-	defer func() { s.args = args[:0]; digestScratches.Put(s) }()
+	defer digestScratches.Put(s)
 	for line := range strings.Lines(rules) {
 		line = strings.TrimSpace(line)
 		if line == "" {
 			continue
 		}
-		rest, isRule := strings.CutPrefix(line, "-A ")
-		if !isRule {
+		if s.rule.parse(line) != nil {
 			return 0, false
 		}
-		var err error
-		args, err = appendArgs(args[:0], rest)
-		if err != nil || len(args) < 1 {
-			return 0, false
-		}
-		r, err := x.translate(args[0], args[1:])
+		r, err := x.translate(&s.rule)
 		if err != nil {
 			return 0, false
 		}
@@ -70,7 +63,7 @@ func expectedDigest(family bus.Family, table, rules string) (digest uint64, ok b
 type digestScratch struct {
 	x    ruleTranslator
 	n    dumpForm
-	args []string
+	rule Rule
 }
 
 var digestScratches = sync.Pool{New: func() any { return new(digestScratch) }}

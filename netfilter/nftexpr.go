@@ -34,10 +34,10 @@ var (
 		n.u64(nftaCounterBytes, 0)
 		n.u64(nftaCounterPackets, 0)
 	})
-	verdictExprs = map[string]expr{
-		"ACCEPT": verdict(verdictAccept, ""),
-		"DROP":   verdict(verdictDrop, ""),
-		"RETURN": verdict(verdictReturn, ""),
+	verdictExprs = map[TargetKind]expr{
+		TargetAccept: verdict(verdictAccept, ""),
+		TargetDrop:   verdict(verdictDrop, ""),
+		TargetReturn: verdict(verdictReturn, ""),
 	}
 )
 

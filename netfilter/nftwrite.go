@@ -53,6 +53,7 @@ func (s *nftSection) add(typ int, flags uint16, family uint8, what nftWhat, body
 // batches keep slices of payload (chain names, for errors): it must not change.
 func translatePayload(family bus.Family, payload []byte) ([]nftSection, error) {
 	x := newRuleTranslator(family)
+	var rule Rule // parsed into again for each rule, to reuse its array
 	proto := nfproto(family)
 	var out []nftSection
 	var cur *nftSection
@@ -111,11 +112,10 @@ func translatePayload(family bus.Family, payload []byte) ([]nftSection, error) {
 				n.str(nftaChainName, chain)
 			})
 		case strings.HasPrefix(line, "-A "):
-			args, err := splitArgs(line[3:])
-			if err != nil || len(args) < 1 || !isUserChain(args[0]) {
-				return nil, untranslatable("line %d: %q", n+1, line)
+			if err := rule.parse(line); err != nil {
+				return nil, fmt.Errorf("line %d: %w: %w", n+1, ErrUntranslatable, err)
 			}
-			r, err := x.translate(args[0], args[1:])
+			r, err := x.translate(&rule)
 			if err != nil {
 				return nil, fmt.Errorf("line %d: %w", n+1, err)
 			}
@@ -150,45 +150,6 @@ func (r nftRule) encode(n *nlBuf, table string) {
 	}
 	n.u32(nftaRuleCompatFlags, flags)
 	n.end(at)
-}
-
-// splitArgs splits a rule as iptables-restore does, for the quoting kpipe
-// uses: double quotes around a whole argument, no escapes.
-func splitArgs(s string) ([]string, error) {
-	return appendArgs(make([]string, 0, 32), s)
-}
-
-// appendArgs is splitArgs appending to out, to reuse its array.
-func appendArgs(out []string, s string) ([]string, error) {
-	for {
-		s = strings.TrimLeft(s, " \t")
-		if s == "" {
-			return out, nil
-		}
-		if s[0] == '"' {
-			end := strings.IndexByte(s[1:], '"')
-			if end < 0 {
-				return nil, untranslatable("an open quote")
-			}
-			arg := s[1 : 1+end]
-			s = s[2+end:]
-			if strings.ContainsRune(arg, '\\') || (s != "" && s[0] != ' ' && s[0] != '\t') {
-				return nil, untranslatable("quoting")
-			}
-			out = append(out, arg)
-			continue
-		}
-		end := strings.IndexAny(s, " \t")
-		if end < 0 {
-			end = len(s)
-		}
-		arg := s[:end]
-		if strings.ContainsAny(arg, "\"'\\") {
-			return nil, untranslatable("quoting")
-		}
-		out = append(out, arg)
-		s = s[end:]
-	}
 }
 
 // nftBatchError is the kernel's refusal of one message of a batch (the whole

@@ -57,6 +57,19 @@ func BenchmarkNetlinkFullSync(b *testing.B) {
 	}
 }
 
+// BenchmarkNetlinkTranslate turns the full payload of 10,000 synthetic
+// services × 10 endpoints into netlink batches without writing them: kpipe's
+// share of a first sync through the netlink writer, which needs no namespace.
+func BenchmarkNetlinkTranslate(b *testing.B) {
+	_, payload := syntheticPlan(10000)
+	b.ReportAllocs()
+	for b.Loop() {
+		if _, err := nf.TranslateAndWrite(bus.IPv4, payload); err != nil {
+			b.Fatal(err)
+		}
+	}
+}
+
 // syntheticPlan is the full plan of n synthetic services × 10 endpoints, and
 // its payload.
 func syntheticPlan(n int) (*bus.Plan, []byte) {

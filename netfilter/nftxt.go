@@ -63,19 +63,6 @@ func xtSCTPInfo(dport uint16) []byte {
 	return b
 }
 
-// Conntrack states as xt_conntrack's state_mask has them: INVALID, then
-// XT_CONNTRACK_STATE_BIT(IP_CT_ESTABLISHED, _RELATED, _NEW), then SNAT, DNAT
-// and UNTRACKED above IP_CT_NUMBER (5).
-var ctStates = map[string]uint16{
-	"INVALID":     1 << 0,
-	"ESTABLISHED": 1 << 1,
-	"RELATED":     1 << 2,
-	"NEW":         1 << 3,
-	"SNAT":        1 << 6,
-	"DNAT":        1 << 7,
-	"UNTRACKED":   1 << 8,
-}
-
 // xtConntrackStateInfo is struct xt_conntrack_mtinfo3 (rev 3) with --ctstate
 // only: eight nf_inet_addr (128 bytes), u32 expires_min/max, u16 l4proto, four
 // __be16 ports, u16 match_flags, invert_flags, state_mask, status_mask, four
@@ -89,13 +76,6 @@ func xtConntrackStateInfo(states uint16, invert bool) []byte {
 	}
 	ne.PutUint16(b[150:], states)
 	return b
-}
-
-// Address types as xt_addrtype's masks have them (1 << RTN_*).
-var addrTypes = map[string]uint16{
-	"UNSPEC": 1 << 0, "UNICAST": 1 << 1, "LOCAL": 1 << 2, "BROADCAST": 1 << 3,
-	"ANYCAST": 1 << 4, "MULTICAST": 1 << 5, "BLACKHOLE": 1 << 6, "UNREACHABLE": 1 << 7,
-	"PROHIBIT": 1 << 8, "THROW": 1 << 9, "NAT": 1 << 10, "XRESOLVE": 1 << 11,
 }
 
 // xtAddrtypeInfo is struct xt_addrtype_info_v1 (rev 1): u16 source, u16 dest,

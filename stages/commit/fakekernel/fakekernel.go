@@ -51,9 +51,6 @@ func New() *Kernel {
 	return &Kernel{Tables: map[string]map[string][]string{nf.TableNAT: {}, nf.TableFilter: {}}}
 }
 
-var builtinTargets = map[string]bool{"ACCEPT": true, "DROP": true, "REJECT": true, "RETURN": true, "DNAT": true,
-	"SNAT": true, "MASQUERADE": true, "MARK": true}
-
 // Prepare returns Restore of payload.
 func (k *Kernel) Prepare(payload []byte) func(context.Context) error {
 	return func(ctx context.Context) error { return k.Restore(ctx, payload) }
@@ -100,18 +97,19 @@ func (k *Kernel) apply(payload string) error {
 			name, _, _ := strings.Cut(line[1:], " ")
 			work[name] = nil
 		case strings.HasPrefix(line, "-A "):
-			f := strings.Fields(line)
-			if _, ok := work[f[1]]; !ok {
-				return fmt.Errorf("fake: -A into missing chain %s", f[1])
+			r, err := nf.ParseRule(line)
+			if err != nil {
+				return fmt.Errorf("fake: %q: %w", line, err)
 			}
-			for i := range f {
-				if (f[i] == "-j" || f[i] == "-g") && i+1 < len(f) && !builtinTargets[f[i+1]] {
-					if _, ok := work[f[i+1]]; !ok {
-						return fmt.Errorf("fake: %s jumps to missing chain %s", f[1], f[i+1])
-					}
+			if _, ok := work[r.Chain]; !ok {
+				return fmt.Errorf("fake: -A into missing chain %s", r.Chain)
+			}
+			if to := r.Target.JumpsTo(); to != "" {
+				if _, ok := work[to]; !ok {
+					return fmt.Errorf("fake: %s jumps to missing chain %s", r.Chain, to)
 				}
 			}
-			work[f[1]] = append(work[f[1]], line)
+			work[r.Chain] = append(work[r.Chain], line)
 		case strings.HasPrefix(line, "-X "):
 			name := strings.TrimSpace(line[3:])
 			if _, ok := work[name]; !ok {
@@ -126,10 +124,14 @@ func (k *Kernel) apply(payload string) error {
 			}
 			// The kernel refuses to delete a chain that a rule still jumps to.
 			for c, rules := range work {
-				for _, r := range rules {
-					if t := target(r); t != "" && !builtinTargets[t] {
-						if _, ok := work[t]; !ok {
-							return fmt.Errorf("fake: %s/%s: %s still jumps to deleted chain %s", table, c, r, t)
+				for _, line := range rules {
+					r, err := nf.ParseRule(line)
+					if err != nil {
+						return fmt.Errorf("fake: %s/%s: %q: %w", table, c, line, err)
+					}
+					if to := r.Target.JumpsTo(); to != "" {
+						if _, ok := work[to]; !ok {
+							return fmt.Errorf("fake: %s/%s: %s still jumps to deleted chain %s", table, c, line, to)
 						}
 					}
 				}
@@ -249,17 +251,6 @@ func (k *Kernel) Dump() string {
 		}
 	}
 	return b.String()
-}
-
-// target is the chain or target a rule jumps to.
-func target(rule string) string {
-	f := strings.Fields(rule)
-	for i := len(f) - 2; i >= 0; i-- {
-		if f[i] == "-j" || f[i] == "-g" {
-			return f[i+1]
-		}
-	}
-	return ""
 }
 
 // Rules are the rules of every chain of table, chain by chain in name order.

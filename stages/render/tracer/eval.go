@@ -5,6 +5,8 @@ import (
 	"net/netip"
 	"slices"
 	"strings"
+
+	nf "github.com/kpipe/kpipe/netfilter"
 )
 
 // maxDepth bounds nested jumps: kpipe's deepest path (KUBE-SERVICES, three
@@ -15,7 +17,7 @@ const maxDepth = 16
 // Paths fork at statistic matches; a flow is copied (with) before it changes.
 type flow struct {
 	src, dst netip.Addr
-	proto    string
+	proto    uint8
 	dport    int
 	in       string
 	mark     uint32
@@ -38,13 +40,13 @@ func (f *flow) path() Path {
 	return Path{Endpoint: f.dnat, Masqueraded: f.masq, Verdict: f.verdict, Affinity: f.recent, Trace: f.trace}
 }
 
-// ctStates are the conntrack states of the traced packet: the first of its
-// connection, DNATed when nat translated it.
-func (f *flow) ctStates() []string {
+// ctStates are the conntrack states of the traced packet (netfilter.Ct*
+// bits): the first of its connection, DNATed when nat translated it.
+func (f *flow) ctStates() uint16 {
 	if f.dnat.IsValid() {
-		return []string{"NEW", "DNAT"}
+		return nf.CtNew | nf.CtDNAT
 	}
-	return []string{"NEW"}
+	return nf.CtNew
 }
 
 // fail records the first error of the trace; the walk stops going deeper.
@@ -91,14 +93,14 @@ func (t *tracer) runFrom(table string, rules []*rule, i int, f *flow, depth int)
 		out = append(out, t.runFrom(table, rules, i+1, f, depth)...)
 	}
 	if taken {
-		g := f.with(table + "/" + r.chain + ": " + r.line)
-		for _, m := range r.matches {
-			if m.kind == matchRecentSet {
-				g.recent = append(g.recent, m.recent)
+		g := f.with(table + "/" + r.Chain + ": " + r.line)
+		for _, m := range r.Matches {
+			if m.Kind == nf.MatchRecent && m.Recent == nf.RecentSet {
+				g.recent = append(g.recent, m.Text)
 			}
 		}
 		for _, h := range t.apply(table, r, g, depth) {
-			if h.verdict != "" || r.goTo {
+			if h.verdict != "" || r.Target.Kind == nf.TargetGoto {
 				out = append(out, h) // a verdict, or a goto's RETURN to our caller
 			} else {
 				out = append(out, t.runFrom(table, rules, i+1, h, depth)...)
@@ -115,46 +117,47 @@ const returned = "RETURN"
 // on after r (verdict "": a jump came back), that ended, or that hit RETURN
 // (verdict "RETURN", which runChain turns back into "" for its caller).
 func (t *tracer) apply(table string, r *rule, f *flow, depth int) []*flow {
-	switch r.target {
-	case "":
+	switch r.Target.Kind {
+	case nf.TargetNone:
 		return []*flow{f}
-	case "ACCEPT", "DROP", "REJECT":
-		if table == "nat" {
-			t.fail("nat/%s: %s in the nat table: %q", r.chain, r.target, r.line)
+	case nf.TargetAccept, nf.TargetDrop, nf.TargetReject:
+		if table == nf.TableNAT {
+			t.fail("nat/%s: %s in the nat table: %q", r.Chain, r.Target.Name(), r.line)
 			return nil
 		}
-		f.verdict = r.target
+		f.verdict = r.Target.Name()
 		return []*flow{f}
-	case "RETURN":
+	case nf.TargetReturn:
 		f.verdict = returned
 		return []*flow{f}
-	case "DNAT":
+	case nf.TargetDNAT:
 		if !t.natHook(table, r) {
 			return nil
 		}
-		f.dst, f.dport, f.dnat = r.dnat.Addr(), int(r.dnat.Port()), r.dnat
+		to := r.Target.To
+		f.dst, f.dport, f.dnat = to.Addr(), int(to.Port()), to
 		f.verdict = Accept
 		return []*flow{f}
-	case "MASQUERADE":
+	case nf.TargetMasquerade:
 		if !t.natHook(table, r) {
 			return nil
 		}
 		f.masq, f.verdict = true, Accept
 		return []*flow{f}
-	case "MARK":
-		if r.markOp == "or" {
-			f.mark |= r.markVal
+	case nf.TargetMark:
+		if r.Target.MarkOp == nf.MarkOr {
+			f.mark |= r.Target.Mark
 		} else {
-			f.mark ^= r.markVal
+			f.mark ^= r.Target.Mark
 		}
 		return []*flow{f}
 	}
-	return t.runChain(table, r.target, f, depth+1)
+	return t.runChain(table, r.Target.Chain, f, depth+1)
 }
 
 func (t *tracer) natHook(table string, r *rule) bool {
 	if table != "nat" {
-		t.fail("%s/%s: %s outside the nat table: %q", table, r.chain, r.target, r.line)
+		t.fail("%s/%s: %s outside the nat table: %q", table, r.Chain, r.Target.Name(), r.line)
 		return false
 	}
 	return true
@@ -164,53 +167,60 @@ func (t *tracer) natHook(table string, r *rule) bool {
 // (notTaken); both only for a statistic match with a probability strictly
 // between 0 and 1.
 func (t *tracer) evaluate(r *rule, f *flow) (taken, notTaken bool) {
-	taken, notTaken = true, false
-	for _, m := range r.matches {
-		if m.kind == matchStatistic {
+	if !t.header(&r.Rule, f) {
+		return false, true
+	}
+	for _, m := range r.Matches {
+		if m.Kind == nf.MatchStatistic {
 			switch {
-			case m.prob <= 0:
+			case m.Probability <= 0:
 				return false, true
-			case m.prob < 1:
+			case m.Probability < 1:
 				notTaken = true
 			}
 			continue
 		}
-		if t.test(m, f) == m.neg {
+		if !t.test(&m, f) {
 			return false, true
 		}
 	}
-	return taken, notTaken
+	return true, notTaken
 }
 
-// test says whether m (without its "!") holds for f.
-func (t *tracer) test(m match, f *flow) bool {
-	switch m.kind {
-	case matchSource:
-		return m.prefix.Contains(f.src)
-	case matchDest:
-		return m.prefix.Contains(f.dst)
-	case matchInInterface:
-		if base, wild := strings.CutSuffix(m.iface, "+"); wild {
-			return f.in != "" && strings.HasPrefix(f.in, base)
-		}
-		return f.in != "" && f.in == m.iface
-	case matchProto:
-		return f.proto == m.proto
-	case matchDPort:
-		return f.dport == m.port
-	case matchDstLocal:
-		return t.isLocal(f.dst)
-	case matchSrcLocal:
-		return t.isLocal(f.src)
-	case matchRecentCheck:
-		return false
-	case matchRecentSet:
-		return true
-	case matchMark:
-		return f.mark&m.mask == m.mark
-	case matchCtState:
-		return slices.ContainsFunc(m.states, func(s string) bool { return slices.Contains(f.ctStates(), s) })
+// header says whether r's ip header part (-s, -d, -i, -p) holds for f.
+func (t *tracer) header(r *nf.Rule, f *flow) bool {
+	holds := func(a nf.Addr, addr netip.Addr) bool { return !a.Prefix.IsValid() || a.Prefix.Contains(addr) != a.Not }
+	return holds(r.Src, f.src) && holds(r.Dst, f.dst) &&
+		(r.In.Name == "" || inInterface(r.In.Name, f.in) != r.In.Not) &&
+		(r.Proto.Num == 0 || (f.proto == r.Proto.Num) != r.Proto.Not)
+}
+
+// inInterface says whether a packet that came in on in matches -i name ("veth+"
+// is a prefix); a packet from a local process came in on none.
+func inInterface(name, in string) bool {
+	if base, wild := strings.CutSuffix(name, "+"); wild {
+		return in != "" && strings.HasPrefix(in, base)
 	}
-	t.fail("internal: match kind %d", m.kind)
+	return in != "" && in == name
+}
+
+// test says whether m holds for f.
+func (t *tracer) test(m *nf.Match, f *flow) bool {
+	switch m.Kind {
+	case nf.MatchComment, nf.MatchNFAcct: // only a comment, only a counter
+		return true
+	case nf.MatchPort: // -p, in the header, checked the protocol
+		return m.DPort == 0 || f.dport == int(m.DPort)
+	case nf.MatchRecent: // a client seen for the first time: only --set matches
+		return m.Recent == nf.RecentSet
+	case nf.MatchMark:
+		return (f.mark&m.Mask == m.Mark) != m.Not
+	case nf.MatchConntrack:
+		return (f.ctStates()&m.CtStates != 0) != m.Not
+	case nf.MatchAddrType:
+		return (m.SrcType == 0 || t.isLocal(f.src) != m.NotSrcType) &&
+			(m.DstType == 0 || t.isLocal(f.dst) != m.NotDstType)
+	}
+	t.fail("internal: match kind %d", m.Kind)
 	return false
 }

@@ -249,7 +249,8 @@ func (t *tracer) isLocal(a netip.Addr) bool {
 
 // run walks p through the hooks and returns every path's outcome.
 func (t *tracer) run(p Packet) ([]Path, error) {
-	start := &flow{src: p.Source, dst: p.Dest, proto: p.Proto, dport: p.DPort, in: p.InInterface}
+	proto, _ := nf.ParseProto(p.Proto) // check took only tcp, udp and sctp
+	start := &flow{src: p.Source, dst: p.Dest, proto: proto, dport: p.DPort, in: p.InInterface}
 	natHook := "PREROUTING"
 	if p.From == FromOutput {
 		natHook = "OUTPUT"

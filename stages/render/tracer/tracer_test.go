@@ -233,12 +233,3 @@ func TestUnknownRulesFail(t *testing.T) {
 		}
 	}
 }
-
-// TestSplitWords: quoted comments are one word.
-func TestSplitWords(t *testing.T) {
-	got, err := splitWords(`-A X -m comment --comment "a b -> c" -j RETURN`)
-	want := []string{"-A", "X", "-m", "comment", "--comment", "a b -> c", "-j", "RETURN"}
-	if err != nil || !slices.Equal(got, want) {
-		t.Errorf("splitWords = %q, %v; want %q", got, err, want)
-	}
-}
