@@ -138,9 +138,10 @@ func buildTree(o *Options, d deps) *supervise.Supervisor {
 		flows, familyRepairs := pending.of(f)
 		resync[f], repairs[f] = bus.NewResyncFlag(), familyRepairs
 		coalesceIO = append(coalesceIO, coalesce.Family{Family: f, Out: snapshots, Results: results, Resync: resync[f], Resend: resend})
-		rs := render.NewStage(render.Params{Config: o.renderConfig(f, d.host), In: snapshots, Out: plans, Resend: resend,
+		opts := o.forFamily(f, d.host)
+		rs := render.NewStage(render.Params{Config: opts.render, In: snapshots, Out: plans, Resend: resend,
 			Env: envs.For(bus.Render.Of(f))})
-		cs := commit.NewStage(commit.Params{Family: f, LocalhostNodePorts: o.localhostNodePorts(), In: plans, Results: results,
+		cs := commit.NewStage(commit.Params{Family: f, LocalhostNodePorts: opts.localhostNodePorts, In: plans, Results: results,
 			Resend: resend, Flows: flows, HealthChecks: checks, Repairs: repairs[f], Ledger: commit.NewLedger(), Kernel: d.kernels[f],
 			Env: envs.For(bus.Commit.Of(f))})
 		ct := conntrack.NewStage(conntrack.Params{Family: f, In: flows, Dial: d.conntrack, Env: envs.For(bus.Conntrack.Of(f))})

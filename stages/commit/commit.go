@@ -50,8 +50,9 @@ type Kernel interface {
 // Params wire the commit stage of one family.
 type Params struct {
 	Family bus.Family
-	// LocalhostNodePorts: NodePorts answer on 127.0.0.1 (IPv4 only), which needs
-	// route_localnet and the KUBE-FIREWALL rule that guards it.
+	// LocalhostNodePorts: NodePorts answer on 127.0.0.1, which needs
+	// route_localnet and the KUBE-FIREWALL rule that guards it. The caller
+	// decides it for Family (cmd/kpipe: IPv4 only), as it does render's.
 	LocalhostNodePorts bool
 	In                 *bus.Mailbox[*bus.Plan]
 	// Results carry each commit's outcome to coalesce; Resend is raised on every
@@ -93,7 +94,7 @@ type Stage struct {
 
 // NewStage makes the commit stage of one family.
 func NewStage(p Params) *Stage {
-	return &Stage{p: p, family: p.Family, localnetFirewall: p.LocalhostNodePorts && p.Family == bus.IPv4, ledger: p.Ledger,
+	return &Stage{p: p, family: p.Family, localnetFirewall: p.LocalhostNodePorts, ledger: p.Ledger,
 		kernel: p.Kernel, metrics: p.Env.Metrics, log: p.Env.Log}
 }
 
@@ -382,14 +383,14 @@ func (s *Stage) ensureJumps(ctx context.Context) {
 // of it fails the commit: a chain the kernel will not delete is emptied and
 // left (deleteOrEmpty).
 func (s *Stage) deleteUnwanted(ctx context.Context, w writes, deferred map[string][]string, full bool, plan *bus.Plan) {
-	for i, tw := range w.tables { // in plan.Tables' order (apply)
+	for _, tw := range w.tables {
 		del := deferred[tw.table]
 		switch {
 		case full:
 			s.ledger.keepStuck(tw.table, tw.stale)
 			del = append(del, tw.stale...)
 		case plan.Refresh:
-			wanted := planned(plan.Tables[i])
+			wanted := planned(*plan.Table(tw.table))
 			for _, c := range s.ledger.stuckIn(tw.table) {
 				if !wanted[c] {
 					del = append(del, c)
@@ -770,9 +771,8 @@ func (s *Stage) record(plan *bus.Plan, full bool, start, now time.Time) {
 		s.metrics.RulesTotal.WithLabelValues(tp.Table, family).Set(float64(tp.RuleCount))
 		s.metrics.RulesLast.WithLabelValues(tp.Table, family).Set(float64(s.written[tp.Table]))
 	}
-	for policy, n := range plan.NoLocalEndpoints {
-		s.metrics.NoLocalEndpoints.WithLabelValues(policy, family).Set(float64(n))
-	}
+	s.metrics.NoLocalEndpoints.WithLabelValues("internal", family).Set(float64(plan.NoLocalEndpoints.Internal))
+	s.metrics.NoLocalEndpoints.WithLabelValues("external", family).Set(float64(plan.NoLocalEndpoints.External))
 	s.p.Env.Status.Update(func(r *bus.Report) {
 		r.LastSync, r.Generation = now, plan.Generation
 		if full {
