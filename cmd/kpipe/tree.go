@@ -47,7 +47,7 @@ type deps struct {
 	registry      *prometheus.Registry
 	// metrics are registered once in registry: every tree reports to them.
 	metrics *metrics.Metrics
-	board   *bus.Board // the stages' reports; nil: a new one
+	board   *bus.Board // the stages' reports (required: runReloading makes one per tree)
 	// pending is the work one tree's stages leave another; nil: new mailboxes.
 	pending *pendingWork
 	// afterSync is done once every family has made its first full sync
@@ -118,10 +118,7 @@ func (p *pendingWork) of(f bus.Family) (*bus.Mailbox[bus.StaleFlows], *bus.Mailb
 // (render, commit → coalesce), resync (canary → coalesce), replay (coalesce →
 // watch), and repairs (canary → commit).
 func buildTree(o *Options, d deps) *supervise.Supervisor {
-	board, pending := d.board, d.pending
-	if board == nil {
-		board = bus.NewBoard()
-	}
+	board, pending := bus.MustBoard(d.board, "buildTree"), d.pending
 	if pending == nil {
 		pending = newPendingWork()
 	}
