@@ -153,3 +153,12 @@ func TestSignalsAreFlags(t *testing.T) {
 		t.Fatal("raised resend flag not receivable")
 	}
 }
+
+func TestNoBoardIsAProgrammingError(t *testing.T) {
+	defer func() {
+		if r := recover(); r == nil {
+			t.Error("Envs.For without a Board made an Env: its reports would reach nobody")
+		}
+	}()
+	bus.Envs{}.For(bus.Coalesce)
+}

@@ -36,18 +36,25 @@ type Env struct {
 type Envs struct {
 	Log     *slog.Logger
 	Metrics *metrics.Metrics
-	Board   *Board
+	Board   *Board // required: the one board /healthz and the events stage read
 }
 
-// For makes the Env of the stage called name.
+// For makes the Env of the stage called name. Without a Board it panics: a
+// stage reporting to a board of its own would report to nobody.
 func (e Envs) For(name StageName) Env {
 	log := e.Log
 	if log == nil {
 		log = slog.New(slog.DiscardHandler)
 	}
-	board := e.Board
+	return Env{Name: name, Log: log.With("stage", string(name)), Metrics: e.Metrics, Status: MustBoard(e.Board, string(name)).Reporter(name)}
+}
+
+// MustBoard is board, or a panic naming who was given none: a nil Board is a
+// programming error (the stage's reports would reach no reader), found when
+// the stage is made.
+func MustBoard(board *Board, who string) *Board {
 	if board == nil {
-		board = NewBoard()
+		panic(who + ": no Board: every stage reports to the process's one board (bus.NewBoard)")
 	}
-	return Env{Name: name, Log: log.With("stage", string(name)), Metrics: e.Metrics, Status: board.Reporter(name)}
+	return board
 }

@@ -49,6 +49,28 @@ func FamilyOf(a netip.Addr) Family {
 	return IPv6
 }
 
+// AddrsOf returns the addresses of addrs of family f, in their order (nil: none).
+func AddrsOf(f Family, addrs []netip.Addr) []netip.Addr {
+	return ofFamily(f, addrs, func(a netip.Addr) netip.Addr { return a })
+}
+
+// PrefixesOf returns the prefixes of ps of family f, in their order (nil: none).
+func PrefixesOf(f Family, ps []netip.Prefix) []netip.Prefix {
+	return ofFamily(f, ps, netip.Prefix.Addr)
+}
+
+// ofFamily keeps the xs whose address is of family f: the one family filter
+// of addresses and prefixes.
+func ofFamily[T any](f Family, xs []T, addr func(T) netip.Addr) []T {
+	var out []T
+	for _, x := range xs {
+		if FamilyOf(addr(x)) == f {
+			out = append(out, x)
+		}
+	}
+	return out
+}
+
 // ServiceKey names a Service.
 type ServiceKey struct{ Namespace, Name string }
 

@@ -44,9 +44,33 @@ type Plan struct {
 	UDP map[netip.AddrPort][]netip.AddrPort
 	// HealthChecks are the healthCheckNodePort answers this plan implies.
 	HealthChecks HealthChecks
-	// NoLocalEndpoints counts services with a Local policy and no local endpoints,
-	// by "internal" / "external" (kubeproxy_sync_proxy_rules_no_local_endpoints_total).
-	NoLocalEndpoints map[string]int
+	// NoLocalEndpoints counts services with a Local policy and no local endpoints
+	// (kubeproxy_sync_proxy_rules_no_local_endpoints_total).
+	NoLocalEndpoints NoLocal
+}
+
+// Table is the plan's payload for table ("nat", "filter"), nil when it has none.
+func (p *Plan) Table(table string) *TablePayload {
+	for i := range p.Tables {
+		if p.Tables[i].Table == table {
+			return &p.Tables[i]
+		}
+	}
+	return nil
+}
+
+// NoLocal counts services whose traffic policy is Local and that have no
+// local endpoint, by the policy: internalTrafficPolicy or externalTrafficPolicy.
+type NoLocal struct{ Internal, External int }
+
+// Plus is n with m's counts added.
+func (n NoLocal) Plus(m NoLocal) NoLocal {
+	return NoLocal{Internal: n.Internal + m.Internal, External: n.External + m.External}
+}
+
+// Minus is n with m's counts taken away.
+func (n NoLocal) Minus(m NoLocal) NoLocal {
+	return NoLocal{Internal: n.Internal - m.Internal, External: n.External - m.External}
 }
 
 // TablePayload is every chain kpipe wants in one table, in dependency order: a

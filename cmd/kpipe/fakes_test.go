@@ -24,7 +24,7 @@ func fakeDeps(client kubernetes.Interface, kernel commit.Kernel, log *slog.Logge
 		canaries:  map[bus.Family]canary.Canaries{bus.IPv4: liveCanaries{}},
 		conntrack: func() (conntrack.Clearer, error) { return noConntrack{}, nil },
 		host:      hostFacts{noRandomFully: map[bus.Family]bool{}},
-		log:       log, registry: prometheus.NewRegistry()}
+		log:       log, registry: prometheus.NewRegistry(), board: bus.NewBoard()}
 	d.metrics = metrics.New(d.registry)
 	d.connect(client)
 	return d

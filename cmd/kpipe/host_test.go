@@ -146,10 +146,10 @@ func TestRenderConfigRandomFully(t *testing.T) {
 		t.Fatal(err)
 	}
 	host := hostFacts{noRandomFully: map[bus.Family]bool{bus.IPv6: true}}
-	if o.renderConfig(bus.IPv4, host).NoRandomFully {
+	if o.forFamily(bus.IPv4, host).render.NoRandomFully {
 		t.Error("IPv4 render config drops --random-fully that its iptables supports")
 	}
-	if !o.renderConfig(bus.IPv6, host).NoRandomFully {
+	if !o.forFamily(bus.IPv6, host).render.NoRandomFully {
 		t.Error("IPv6 render config writes --random-fully that its iptables does not support")
 	}
 }
@@ -173,7 +173,7 @@ func TestNFAcctObjectsReachRender(t *testing.T) {
 	}
 	host := hostFacts{nfacct: ensureNFAcct(failingNFAcct{nf.NFAcctLocalhostNodePorts: true}, slog.New(slog.DiscardHandler))}
 	for _, f := range []bus.Family{bus.IPv4, bus.IPv6} {
-		if got, want := o.renderConfig(f, host).NFAcct, (render.NFAcctObjects{InvalidDropped: true}); got != want {
+		if got, want := o.forFamily(f, host).render.NFAcct, (render.NFAcctObjects{InvalidDropped: true}); got != want {
 			t.Errorf("%v render config: nfacct objects %+v; want %+v", f, got, want)
 		}
 	}

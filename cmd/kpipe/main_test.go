@@ -103,8 +103,8 @@ func TestCompleteClusterCIDRsPerFamily(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	v4 := o.renderConfig(bus.IPv4, hostFacts{})
-	v6 := o.renderConfig(bus.IPv6, hostFacts{})
+	v4 := o.forFamily(bus.IPv4, hostFacts{}).render
+	v6 := o.forFamily(bus.IPv6, hostFacts{}).render
 	if want := []netip.Prefix{netip.MustParsePrefix("10.244.0.0/16")}; !slices.Equal(v4.ClusterCIDRs, want) {
 		t.Errorf("IPv4 cluster CIDRs = %v; want %v (masked, IPv4 only)", v4.ClusterCIDRs, want)
 	}
@@ -119,7 +119,7 @@ func TestCompleteClusterCIDRsPerFamily(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if got := o.renderConfig(bus.IPv4, hostFacts{}).ClusterCIDRs; len(got) != 0 {
+	if got := o.forFamily(bus.IPv4, hostFacts{}).render.ClusterCIDRs; len(got) != 0 {
 		t.Errorf("no --cluster-cidr gives %v; want none", got)
 	}
 }
@@ -130,7 +130,7 @@ func TestCompleteNodePortAddresses(t *testing.T) {
 		t.Fatal(err)
 	}
 	for _, f := range []bus.Family{bus.IPv4, bus.IPv6} {
-		c := o.renderConfig(f, hostFacts{})
+		c := o.forFamily(f, hostFacts{}).render
 		if !c.NodePortPrimary || len(c.NodePortAddresses) != 0 {
 			t.Errorf("%v: primary=%v addresses=%v; want primary and no CIDRs", f, c.NodePortPrimary, c.NodePortAddresses)
 		}
@@ -140,7 +140,7 @@ func TestCompleteNodePortAddresses(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	v4, v6 := o.renderConfig(bus.IPv4, hostFacts{}), o.renderConfig(bus.IPv6, hostFacts{})
+	v4, v6 := o.forFamily(bus.IPv4, hostFacts{}).render, o.forFamily(bus.IPv6, hostFacts{}).render
 	if v4.NodePortPrimary || !slices.Equal(v4.NodePortAddresses, []netip.Prefix{netip.MustParsePrefix("192.168.0.0/24")}) {
 		t.Errorf("IPv4: primary=%v addresses=%v", v4.NodePortPrimary, v4.NodePortAddresses)
 	}
@@ -152,7 +152,7 @@ func TestCompleteNodePortAddresses(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if c := o.renderConfig(bus.IPv4, hostFacts{}); c.NodePortPrimary || len(c.NodePortAddresses) != 0 {
+	if c := o.forFamily(bus.IPv4, hostFacts{}).render; c.NodePortPrimary || len(c.NodePortAddresses) != 0 {
 		t.Errorf("default: primary=%v addresses=%v; want every local address", c.NodePortPrimary, c.NodePortAddresses)
 	}
 }
@@ -168,7 +168,7 @@ func TestCompleteDefaults(t *testing.T) {
 	if o.CanaryInterval != 45*time.Second {
 		t.Errorf("canary interval = %v; want the sync period", o.CanaryInterval)
 	}
-	v4, v6 := o.renderConfig(bus.IPv4, hostFacts{conntrackLiberal: true}), o.renderConfig(bus.IPv6, hostFacts{conntrackLiberal: true})
+	v4, v6 := o.forFamily(bus.IPv4, hostFacts{conntrackLiberal: true}).render, o.forFamily(bus.IPv6, hostFacts{conntrackLiberal: true}).render
 	if !v4.LocalhostNodePorts || v6.LocalhostNodePorts {
 		t.Errorf("localhost NodePorts v4=%v v6=%v; want IPv4 only", v4.LocalhostNodePorts, v6.LocalhostNodePorts)
 	}
@@ -180,7 +180,7 @@ func TestCompleteDefaults(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if o.renderConfig(bus.IPv4, hostFacts{}).LocalhostNodePorts {
+	if o.forFamily(bus.IPv4, hostFacts{}).render.LocalhostNodePorts {
 		t.Error("--iptables-localhost-nodeports=false ignored")
 	}
 	if o.CanaryInterval != 3*time.Second {
@@ -197,7 +197,7 @@ func TestCompleteIsRepeatable(t *testing.T) {
 	if err := o.complete(); err != nil {
 		t.Fatal(err)
 	}
-	c := o.renderConfig(bus.IPv4, hostFacts{})
+	c := o.forFamily(bus.IPv4, hostFacts{}).render
 	if len(c.ClusterCIDRs) != 1 || len(c.NodePortAddresses) != 1 {
 		t.Errorf("after a second complete: cluster %v nodeport %v; want one each", c.ClusterCIDRs, c.NodePortAddresses)
 	}
@@ -228,7 +228,7 @@ func TestLocalhostNodePortsFollowNodePortAddresses(t *testing.T) {
 		if err := o.complete(); err != nil {
 			t.Fatalf("%v: %v", tc.flags, err)
 		}
-		if got := o.renderConfig(bus.IPv4, hostFacts{}).LocalhostNodePorts; got != tc.want {
+		if got := o.forFamily(bus.IPv4, hostFacts{}).render.LocalhostNodePorts; got != tc.want {
 			t.Errorf("%v: localhost NodePorts = %v, want %v", tc.flags, got, tc.want)
 		}
 	}

@@ -172,7 +172,7 @@ const routeLocalnet = "net/ipv4/conf/all/route_localnet"
 // 127.0.0.0/8 is in (commit).
 func initNode(o *Options, h nodeHost, log *slog.Logger) error {
 	setUpNode(o, h, log)
-	if !o.localhostNodePorts() {
+	if !o.localhostNodePortsOn(bus.IPv4) {
 		return nil
 	}
 	if err := h.sysctls.Write(routeLocalnet, "1"); err != nil {

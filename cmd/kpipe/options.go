@@ -328,26 +328,38 @@ func (o *Options) debugAddr() string {
 	return o.DebugBindAddress
 }
 
-// renderConfig is render's configuration for one family on a host with facts.
-func (o *Options) renderConfig(f bus.Family, host hostFacts) render.Config {
-	return render.Config{
-		Family: f, NodeName: o.HostnameOverride, MasqueradeAll: o.MasqueradeAll, MasqueradeBit: o.MasqueradeBit,
-		DetectLocal: o.DetectLocalMode, ClusterCIDRs: ofFamily(o.clusterCIDRs, f),
-		BridgeInterface: o.PodBridgeInterface, InterfacePrefix: o.PodInterfaceprefix,
-		NodePortAddresses: ofFamily(o.nodePortCIDRs, f), NodePortPrimary: o.nodePortPrimary,
-		LocalhostNodePorts: f == bus.IPv4 && o.localhostNodePorts(), ConntrackLiberal: host.conntrackLiberal,
-		NoRandomFully: host.noRandomFully[f], NFAcct: host.nfacct,
-	}
+// familyOptions are what the stages of one IP family are given, decided here
+// once for the family (its CIDRs, whether its NodePorts answer on 127.0.0.1,
+// the host's facts about it): render and commit read them and derive none again.
+type familyOptions struct {
+	render render.Config
+	// localhostNodePorts is render.LocalhostNodePorts, for commit (the
+	// KUBE-FIREWALL jump and route_localnet).
+	localhostNodePorts bool
 }
 
-// localhostNodePorts says whether IPv4 NodePorts answer on 127.0.0.1: asked for,
-// and 127.0.0.1 is among the NodePort addresses (as in kube-proxy: all addresses,
-// or a CIDR that holds it; never with 'primary').
-func (o *Options) localhostNodePorts() bool {
-	if !o.LocalhostNodePorts || o.nodePortPrimary {
+// forFamily is the options of family f's stages on a host with facts.
+func (o *Options) forFamily(f bus.Family, host hostFacts) familyOptions {
+	localhost := o.localhostNodePortsOn(f)
+	return familyOptions{localhostNodePorts: localhost, render: render.Config{
+		Family: f, NodeName: o.HostnameOverride, MasqueradeAll: o.MasqueradeAll, MasqueradeBit: o.MasqueradeBit,
+		DetectLocal: o.DetectLocalMode, ClusterCIDRs: bus.PrefixesOf(f, o.clusterCIDRs),
+		BridgeInterface: o.PodBridgeInterface, InterfacePrefix: o.PodInterfaceprefix,
+		NodePortAddresses: bus.PrefixesOf(f, o.nodePortCIDRs), NodePortPrimary: o.nodePortPrimary,
+		LocalhostNodePorts: localhost, ConntrackLiberal: host.conntrackLiberal,
+		NoRandomFully: host.noRandomFully[f], NFAcct: host.nfacct,
+	}}
+}
+
+// localhostNodePortsOn says whether family f's NodePorts answer on 127.0.0.1:
+// IPv4 only (route_localnet has no IPv6 twin), asked for, and 127.0.0.1 is
+// among the NodePort addresses (as in kube-proxy: all addresses, or a CIDR
+// that holds it; never with 'primary'). The one place this is decided.
+func (o *Options) localhostNodePortsOn(f bus.Family) bool {
+	if f != bus.IPv4 || !o.LocalhostNodePorts || o.nodePortPrimary {
 		return false
 	}
-	v4 := ofFamily(o.nodePortCIDRs, bus.IPv4)
+	v4 := bus.PrefixesOf(bus.IPv4, o.nodePortCIDRs)
 	if len(v4) == 0 {
 		return true
 	}
@@ -372,16 +384,6 @@ func withoutZeroFamilies(ps []netip.Prefix) []netip.Prefix {
 	var out []netip.Prefix
 	for _, p := range ps {
 		if !zero[bus.FamilyOf(p.Addr())] {
-			out = append(out, p)
-		}
-	}
-	return out
-}
-
-func ofFamily(ps []netip.Prefix, f bus.Family) []netip.Prefix {
-	var out []netip.Prefix
-	for _, p := range ps {
-		if bus.FamilyOf(p.Addr()) == f {
 			out = append(out, p)
 		}
 	}

@@ -47,7 +47,7 @@ type deps struct {
 	registry      *prometheus.Registry
 	// metrics are registered once in registry: every tree reports to them.
 	metrics *metrics.Metrics
-	board   *bus.Board // the stages' reports; nil: a new one
+	board   *bus.Board // the stages' reports (required: runReloading makes one per tree)
 	// pending is the work one tree's stages leave another; nil: new mailboxes.
 	pending *pendingWork
 	// afterSync is done once every family has made its first full sync
@@ -118,10 +118,7 @@ func (p *pendingWork) of(f bus.Family) (*bus.Mailbox[bus.StaleFlows], *bus.Mailb
 // (render, commit → coalesce), resync (canary → coalesce), replay (coalesce →
 // watch), and repairs (canary → commit).
 func buildTree(o *Options, d deps) *supervise.Supervisor {
-	board, pending := d.board, d.pending
-	if board == nil {
-		board = bus.NewBoard()
-	}
+	board, pending := bus.MustBoard(d.board, "buildTree"), d.pending
 	if pending == nil {
 		pending = newPendingWork()
 	}
@@ -138,9 +135,10 @@ func buildTree(o *Options, d deps) *supervise.Supervisor {
 		flows, familyRepairs := pending.of(f)
 		resync[f], repairs[f] = bus.NewResyncFlag(), familyRepairs
 		coalesceIO = append(coalesceIO, coalesce.Family{Family: f, Out: snapshots, Results: results, Resync: resync[f], Resend: resend})
-		rs := render.NewStage(render.Params{Config: o.renderConfig(f, d.host), In: snapshots, Out: plans, Resend: resend,
+		opts := o.forFamily(f, d.host)
+		rs := render.NewStage(render.Params{Config: opts.render, In: snapshots, Out: plans, Resend: resend,
 			Env: envs.For(bus.Render.Of(f))})
-		cs := commit.NewStage(commit.Params{Family: f, LocalhostNodePorts: o.localhostNodePorts(), In: plans, Results: results,
+		cs := commit.NewStage(commit.Params{Family: f, LocalhostNodePorts: opts.localhostNodePorts, In: plans, Results: results,
 			Resend: resend, Flows: flows, HealthChecks: checks, Repairs: repairs[f], Ledger: commit.NewLedger(), Kernel: d.kernels[f],
 			Env: envs.For(bus.Commit.Of(f))})
 		ct := conntrack.NewStage(conntrack.Params{Family: f, In: flows, Dial: d.conntrack, Env: envs.For(bus.Conntrack.Of(f))})

@@ -25,7 +25,7 @@ func TestFlushIsNoticed(t *testing.T) {
 	}
 	netnstest.New(t).Run(t, func() error {
 		resync := bus.NewResyncFlag()
-		s := NewStage(Params{Interval: time.Hour, Resync: map[bus.Family]*bus.ResyncFlag{bus.IPv4: resync}, Env: bus.Envs{}.For(bus.Canary)})
+		s := NewStage(Params{Interval: time.Hour, Resync: map[bus.Family]*bus.ResyncFlag{bus.IPv4: resync}, Env: bus.Envs{Board: bus.NewBoard()}.For(bus.Canary)})
 		ctx := context.Background()
 		tool := nf.Tool{Family: bus.IPv4}
 		if err := tool.EnsureCanaries(ctx, tables); err != nil {
@@ -88,7 +88,7 @@ func TestSubscribedStageStops(t *testing.T) {
 	ns.Run(t, func() error {
 		repairs := bus.NewMergingMailbox(bus.MergeRepairs)
 		s := NewStage(Params{Interval: time.Hour, Resync: map[bus.Family]*bus.ResyncFlag{bus.IPv4: bus.NewResyncFlag()},
-			Repairs: map[bus.Family]*bus.Mailbox[bus.Repair]{bus.IPv4: repairs}, Env: bus.Envs{}.For(bus.Canary)})
+			Repairs: map[bus.Family]*bus.Mailbox[bus.Repair]{bus.IPv4: repairs}, Env: bus.Envs{Board: bus.NewBoard()}.For(bus.Canary)})
 		for round := range 20 {
 			ctx, cancel := context.WithCancel(context.Background())
 			done := runIn(ctx, s)
@@ -148,7 +148,7 @@ func TestTableWithoutCanaryIsGivenUp(t *testing.T) {
 		fake := newTableCanaries(map[string]noTableAnswer{nf.TableMangle: answer})
 		resync := bus.NewResyncFlag()
 		s := NewStage(Params{Interval: time.Millisecond, Resync: map[bus.Family]*bus.ResyncFlag{bus.IPv4: resync},
-			Tools: map[bus.Family]Canaries{bus.IPv4: fake}, Env: bus.Envs{}.For(bus.Canary)})
+			Tools: map[bus.Family]Canaries{bus.IPv4: fake}, Env: bus.Envs{Board: bus.NewBoard()}.For(bus.Canary)})
 		var resyncs, failures []int
 		var mangleAsked int
 		for run := range 10 {

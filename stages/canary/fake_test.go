@@ -46,7 +46,7 @@ func (f *fakeCanaries) set(alive bool, err error) {
 
 func fakeStage(fake *fakeCanaries) (*Stage, *bus.ResyncFlag) {
 	resync := bus.NewResyncFlag()
-	s := NewStage(Params{Interval: time.Hour, Resync: map[bus.Family]*bus.ResyncFlag{bus.IPv4: resync}, Env: bus.Envs{}.For(bus.Canary)})
+	s := NewStage(Params{Interval: time.Hour, Resync: map[bus.Family]*bus.ResyncFlag{bus.IPv4: resync}, Env: bus.Envs{Board: bus.NewBoard()}.For(bus.Canary)})
 	s.tools = map[bus.Family]Canaries{bus.IPv4: fake}
 	return s, resync
 }

@@ -117,7 +117,7 @@ func tamperStage(t *testing.T, sub *fakeChanges, interval time.Duration) (*fakeC
 	}
 	s := NewStage(Params{Interval: interval, Resync: map[bus.Family]*bus.ResyncFlag{bus.IPv4: resync},
 		Tools: map[bus.Family]Canaries{bus.IPv4: fake}, Repairs: map[bus.Family]*bus.Mailbox[bus.Repair]{bus.IPv4: repairs},
-		Subscribe: map[bus.Family]Subscribe{bus.IPv4: subscribe}, Env: bus.Envs{}.For(bus.Canary)})
+		Subscribe: map[bus.Family]Subscribe{bus.IPv4: subscribe}, Env: bus.Envs{Board: bus.NewBoard()}.For(bus.Canary)})
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)
 	go func() { done <- s.Run(ctx) }()

@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/kpipe/kpipe/bus"
+	nf "github.com/kpipe/kpipe/netfilter"
 	"github.com/kpipe/kpipe/netfilter/netnstest"
 	"github.com/kpipe/kpipe/netfilter/writertest"
 	"github.com/kpipe/kpipe/stages/render"
@@ -43,7 +44,7 @@ func BenchmarkCommit(b *testing.B) {
 				held = max(held, peak())
 				b.StartTimer()
 			}
-			b.ReportMetric(float64(fullPlan.Tables[0].RuleCount+fullPlan.Tables[1].RuleCount), "rules")
+			b.ReportMetric(float64(fullPlan.Table(nf.TableNAT).RuleCount+fullPlan.Table(nf.TableFilter).RuleCount), "rules")
 			b.ReportMetric(float64(held)/(1<<20), "held-MiB")
 		})
 		ns := netnstest.New(b)
@@ -106,7 +107,7 @@ func BenchmarkCommitKubeProxyLayout(b *testing.B) {
 			b.StopTimer()
 			b.StartTimer()
 		}
-		b.ReportMetric(float64(len(plan.Tables[0].Chains)), "nat-chains")
+		b.ReportMetric(float64(len(plan.Table(nf.TableNAT).Chains)), "nat-chains")
 	})
 }
 

@@ -228,7 +228,7 @@ func TestApplyBatchedFullSyncIntoEmptyTables(t *testing.T) {
 	}
 	n := maxChainsPerRestore/2 + 200 // two chains per service at least
 	plan := render.Render(largeConfig, &bus.Snapshot{State: largeState(n), Full: true})
-	if got := len(plan.Tables[0].Chains) + len(plan.Tables[1].Chains); got <= maxChainsPerRestore {
+	if got := len(plan.Table(nf.TableNAT).Chains) + len(plan.Table(nf.TableFilter).Chains); got <= maxChainsPerRestore {
 		t.Fatalf("plan has %d chains; the test needs more than %d", got, maxChainsPerRestore)
 	}
 	netnstest.New(t).Run(t, func() error {

@@ -29,11 +29,11 @@ func TestDroppedHintDeletesOnlyWhatThePlanDropped(t *testing.T) {
 		hint func(p *bus.Plan) // changes the renderer's hint
 	}{
 		{"as rendered", func(*bus.Plan) {}},
-		{"one chain left out", func(p *bus.Plan) { p.Tables[0].Dropped = p.Tables[0].Dropped[1:] }},
-		{"none", func(p *bus.Plan) { p.Tables[0].Dropped, p.Tables[1].Dropped = nil, nil }},
+		{"one chain left out", func(p *bus.Plan) { p.Table(nf.TableNAT).Dropped = p.Table(nf.TableNAT).Dropped[1:] }},
+		{"none", func(p *bus.Plan) { p.Table(nf.TableNAT).Dropped, p.Table(nf.TableFilter).Dropped = nil, nil }},
 		{"a chain the plan has instead of one it dropped", func(p *bus.Plan) {
-			i := slices.IndexFunc(p.Tables[0].Chains, func(c bus.Chain) bool { return nf.KindOf(c.Name) == nf.KindService })
-			p.Tables[0].Dropped = append(p.Tables[0].Dropped[1:], p.Tables[0].Chains[i].Name)
+			i := slices.IndexFunc(p.Table(nf.TableNAT).Chains, func(c bus.Chain) bool { return nf.KindOf(c.Name) == nf.KindService })
+			p.Table(nf.TableNAT).Dropped = append(p.Table(nf.TableNAT).Dropped[1:], p.Table(nf.TableNAT).Chains[i].Name)
 		}},
 	} {
 		t.Run(c.name, func(t *testing.T) {
@@ -44,8 +44,8 @@ func TestDroppedHintDeletesOnlyWhatThePlanDropped(t *testing.T) {
 				t.Fatal(err)
 			}
 			p := rr.Render(&bus.Snapshot{Generation: 2, State: fewer})
-			if len(p.Tables[0].Dropped) < 2 {
-				t.Fatalf("the renderer's hint names %v: the test needs two services' chains", p.Tables[0].Dropped)
+			if len(p.Table(nf.TableNAT).Dropped) < 2 {
+				t.Fatalf("the renderer's hint names %v: the test needs two services' chains", p.Table(nf.TableNAT).Dropped)
 			}
 			c.hint(p)
 			if err := s.apply(context.Background(), p); err != nil {

@@ -7,6 +7,10 @@ import (
 	nf "github.com/kpipe/kpipe/netfilter"
 )
 
+// Hash: render's 64-bit hash of a chain's rule text (bus.Chain.Hash); equal to the ledger's, nothing to write.
+// Digest: the kernel's digest of the rules a chain holds there (Kernel.Digests, read); equal digests, same rules.
+// Expected digest: the digest a chain holding some rule text would have, worked out without reading (Kernel.ExpectedDigest).
+
 // Ledger is commit's record of what it left in the kernel, so that a plan is
 // written as the difference from the kernel, not from the last plan that was
 // acknowledged. It outlives the commit stage (serve makes it): a commit killed in

@@ -118,7 +118,7 @@ func TestRestartedCommitComparesWithTheKernel(t *testing.T) {
 			return err
 		}
 		var svc string
-		for _, c := range plan.Tables[0].Chains {
+		for _, c := range plan.Table(nf.TableNAT).Chains {
 			if nf.KindOf(c.Name) == nf.KindService {
 				svc = c.Name
 				break

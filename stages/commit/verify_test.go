@@ -137,7 +137,7 @@ func TestOwnWritesHeardFromTheKernelWriteNothing(t *testing.T) {
 	}
 
 	svc := ""
-	for _, c := range planOf(st, 1, true).Tables[0].Chains {
+	for _, c := range planOf(st, 1, true).Table(nf.TableNAT).Chains {
 		if nf.KindOf(c.Name) == nf.KindService {
 			svc = c.Name
 			break

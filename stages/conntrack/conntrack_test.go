@@ -92,7 +92,7 @@ func TestStageClearsStaleUDPFlows(t *testing.T) {
 			},
 			Gone: map[netip.AddrPort]bool{netip.MustParseAddrPort("10.96.0.20:514"): true, netip.MustParseAddrPort("0.0.0.0:31000"): true}})
 		reg := prometheus.NewRegistry()
-		s := NewStage(Params{Family: bus.IPv4, In: in, Env: bus.Envs{Metrics: metrics.New(reg)}.For(bus.Conntrack.Of(bus.IPv4))})
+		s := NewStage(Params{Family: bus.IPv4, In: in, Env: bus.Envs{Metrics: metrics.New(reg), Board: bus.NewBoard()}.For(bus.Conntrack.Of(bus.IPv4))})
 		ctx, cancel := context.WithCancel(context.Background())
 		defer cancel()
 		go func() {

@@ -44,7 +44,7 @@ func TestFailedPassKeepsNewerEndpoints(t *testing.T) {
 	in := bus.NewMergingMailbox(bus.MergeStaleFlows)
 	fake := &fakeConntrack{in: in, newer: bus.StaleFlows{Family: bus.IPv4,
 		Now: map[netip.AddrPort][]netip.AddrPort{fe: {newEP}}, Gone: map[netip.AddrPort]bool{gone2: true}}}
-	s := NewStage(Params{Family: bus.IPv4, In: in, Env: bus.Envs{Metrics: metrics.New(prometheus.NewRegistry())}.For(bus.Conntrack.Of(bus.IPv4))})
+	s := NewStage(Params{Family: bus.IPv4, In: in, Env: bus.Envs{Metrics: metrics.New(prometheus.NewRegistry()), Board: bus.NewBoard()}.For(bus.Conntrack.Of(bus.IPv4))})
 	s.dial = func() (Clearer, error) { return fake, nil }
 	in.Put(bus.StaleFlows{Family: bus.IPv4, Now: map[netip.AddrPort][]netip.AddrPort{fe: {oldEP}}, Gone: map[netip.AddrPort]bool{gone1: true}})
 
@@ -89,7 +89,7 @@ func TestPassFailedWhileStoppingKeepsItsWork(t *testing.T) {
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
 	s := NewStage(Params{Family: bus.IPv4, In: in, Dial: func() (Clearer, error) { return cancellingConntrack{cancel}, nil },
-		Env: bus.Envs{Metrics: metrics.New(prometheus.NewRegistry())}.For(bus.Conntrack.Of(bus.IPv4))})
+		Env: bus.Envs{Metrics: metrics.New(prometheus.NewRegistry()), Board: bus.NewBoard()}.For(bus.Conntrack.Of(bus.IPv4))})
 	in.Put(bus.StaleFlows{Family: bus.IPv4, Gone: map[netip.AddrPort]bool{gone: true}})
 	_ = s.Run(ctx) // its error is the pass's; the supervisor stopping it ignores it
 	if left, ok := in.TryTake(); !ok || !left.Gone[gone] {

@@ -185,7 +185,7 @@ type Params struct {
 	SetupFailures []SetupFailure
 	// Families are the families whose commit stages are watched on Board.
 	Families []bus.Family
-	Board    *bus.Board
+	Board    *bus.Board // required
 	Env      bus.Env
 }
 
@@ -212,9 +212,7 @@ func NewStage(p Params) *Stage {
 	if log == nil {
 		log = slog.New(slog.DiscardHandler)
 	}
-	if p.Board == nil {
-		p.Board = bus.NewBoard()
-	}
+	bus.MustBoard(p.Board, "the events stage")
 	s := &Stage{p: p, log: log, streaks: map[bus.Family]*streak{}, poll: pollInterval}
 	for _, f := range p.Families {
 		s.streaks[f] = &streak{}

@@ -43,7 +43,7 @@ func TestRunRecordsStarting(t *testing.T) {
 	client := fake.NewClientset()
 	b, rec, _ := NewRecorder(client)
 	defer b.Shutdown()
-	s := NewStage(Params{Broadcaster: b, Recorder: rec, Node: "node-a", Families: []bus.Family{bus.IPv4}})
+	s := NewStage(Params{Broadcaster: b, Recorder: rec, Node: "node-a", Families: []bus.Family{bus.IPv4}, Board: bus.NewBoard()})
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)
 	go func() { done <- s.Run(ctx) }()
@@ -72,7 +72,7 @@ func TestRestartedRunDoesNotRecordStarting(t *testing.T) {
 	b, _, _ := NewRecorder(fake.NewClientset())
 	defer b.Shutdown()
 	rec := events.NewFakeRecorder(10)
-	s := NewStage(Params{Broadcaster: b, Recorder: rec, Node: "node-a"})
+	s := NewStage(Params{Broadcaster: b, Recorder: rec, Node: "node-a", Board: bus.NewBoard()})
 	for run := range 3 {
 		ctx, cancel := context.WithCancel(context.Background())
 		done := make(chan error, 1)
@@ -166,7 +166,7 @@ func TestRunRecordsSetupFailures(t *testing.T) {
 		{Step: "SetSysctl/net/netfilter/nf_conntrack_tcp_timeout_established", Note: "could not set it: read-only file system"},
 		{Step: "SetOOMScoreAdj", Note: "could not set oom_score_adj to -999: permission denied"},
 	}
-	s := NewStage(Params{Broadcaster: b, Recorder: rec, Node: "node-a", SetupFailures: failures})
+	s := NewStage(Params{Broadcaster: b, Recorder: rec, Node: "node-a", SetupFailures: failures, Board: bus.NewBoard()})
 	for run := range 2 { // the second Run is a supervisor restart
 		ctx, cancel := context.WithCancel(context.Background())
 		done := make(chan error, 1)

@@ -101,7 +101,7 @@ type Health struct {
 // Params wire the health stage.
 type Params struct {
 	Config Config
-	// Board carries the other stages' reports.
+	// Board carries the other stages' reports (required).
 	Board *bus.Board
 	// Gatherer is what /metrics serves.
 	Gatherer prometheus.Gatherer
@@ -148,9 +148,7 @@ func New(p Params) *Health {
 	if log == nil {
 		log = slog.New(slog.DiscardHandler)
 	}
-	if board == nil {
-		board = bus.NewBoard()
-	}
+	bus.MustBoard(board, "the health stage")
 	period := cfg.SyncPeriod
 	if period <= 0 {
 		period = defaultSyncPeriod

@@ -292,7 +292,7 @@ func bucketsChanged(count map[netip.Prefix]int, old, new *cachedService) bool {
 type planMaps struct {
 	udp     map[netip.AddrPort]udpSlot
 	checks  map[bus.ServiceKey]bus.HealthCheck
-	noLocal [2]int
+	noLocal bus.NoLocal
 	// rescan: a front-end two services had lost the one that set it; the
 	// UDP map is worked out again from every service.
 	rescan bool
@@ -329,16 +329,14 @@ func (m *planMaps) replace(key bus.ServiceKey, old, new *cachedService) {
 		for _, c := range old.r.checks {
 			delete(m.checks, c.key)
 		}
-		m.noLocal[0] -= old.r.noLocal[0]
-		m.noLocal[1] -= old.r.noLocal[1]
+		m.noLocal = m.noLocal.Minus(old.r.noLocal)
 	}
 	if new != nil {
 		m.addUDP(key, new.r.udp)
 		for _, c := range new.r.checks {
 			m.checks[c.key] = c.hc
 		}
-		m.noLocal[0] += new.r.noLocal[0]
-		m.noLocal[1] += new.r.noLocal[1]
+		m.noLocal = m.noLocal.Plus(new.r.noLocal)
 	}
 	if old != nil && (len(old.r.udp) > 0 || len(old.r.checks) > 0) || new != nil && (len(new.r.udp) > 0 || len(new.r.checks) > 0) {
 		m.outUDP, m.outChecks = nil, nil
@@ -373,5 +371,5 @@ func (m *planMaps) fill(p *bus.Plan, services []*cachedService, keys []bus.Servi
 		m.outChecks = maps.Clone(m.checks)
 	}
 	p.UDP, p.HealthChecks.Services = m.outUDP, m.outChecks
-	p.NoLocalEndpoints = map[string]int{"internal": m.noLocal[0], "external": m.noLocal[1]}
+	p.NoLocalEndpoints = m.noLocal
 }

@@ -8,6 +8,7 @@ import (
 	"testing"
 
 	"github.com/kpipe/kpipe/bus"
+	nf "github.com/kpipe/kpipe/netfilter"
 )
 
 // BenchmarkRenderFull renders every chain of a cluster of 1k and 10k services, their
@@ -23,8 +24,8 @@ func BenchmarkRenderFull(b *testing.B) {
 			for b.Loop() {
 				p = Render(baseConfig(), full(st))
 			}
-			b.ReportMetric(float64(p.Tables[0].RuleCount+p.Tables[1].RuleCount), "rules")
-			b.ReportMetric(float64(len(p.Tables[0].Chains)), "nat-chains")
+			b.ReportMetric(float64(p.Table(nf.TableNAT).RuleCount+p.Table(nf.TableFilter).RuleCount), "rules")
+			b.ReportMetric(float64(len(p.Table(nf.TableNAT).Chains)), "nat-chains")
 			rules := natRules(p)
 			worst, total := 0, 0
 			for _, s := range st.Services {
@@ -57,7 +58,7 @@ func BenchmarkRenderOneEndpointChanged(b *testing.B) {
 		i++
 		p = rr.Render(&bus.Snapshot{State: states[i%2]})
 	}
-	b.ReportMetric(float64(len(p.Tables[0].Chains)), "nat-chains")
+	b.ReportMetric(float64(len(p.Table(nf.TableNAT).Chains)), "nat-chains")
 }
 
 // BenchmarkRenderCacheMemory reports the live heap a Renderer's cache holds

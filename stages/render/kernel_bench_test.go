@@ -51,7 +51,7 @@ func benchKernelOneChainWrite(b *testing.B, n int) {
 		}
 	}
 	var svc bus.Chain
-	for _, c := range plan.Tables[0].Chains {
+	for _, c := range plan.Table(nf.TableNAT).Chains {
 		if nf.KindOf(c.Name) == nf.KindService {
 			svc = c
 			break

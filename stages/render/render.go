@@ -35,9 +35,11 @@ type Config struct {
 	InterfacePrefix string
 	// NodePortAddresses restricts NodePorts to local addresses in these CIDRs (of
 	// this family); NodePortPrimary to the node's primary IP. Neither: every local address.
-	NodePortAddresses  []netip.Prefix
-	NodePortPrimary    bool
-	LocalhostNodePorts bool // IPv4 only: NodePorts answer on 127.0.0.1 (route_localnet)
+	NodePortAddresses []netip.Prefix
+	NodePortPrimary   bool
+	// LocalhostNodePorts: NodePorts answer on 127.0.0.1 (route_localnet). The
+	// caller decides it for the family (cmd/kpipe: IPv4 only); render reads it.
+	LocalhostNodePorts bool
 	ConntrackLiberal   bool // nf_conntrack_tcp_be_liberal is set: do not drop INVALID
 	// NoRandomFully: the host's iptables cannot do MASQUERADE --random-fully
 	// (older than 1.6.2), so it is left out, as kube-proxy leaves it out.
@@ -51,11 +53,6 @@ type Config struct {
 type NFAcctObjects struct {
 	InvalidDropped     bool // netfilter.NFAcctInvalidDropped
 	LocalhostNodePorts bool // netfilter.NFAcctLocalhostNodePorts
-}
-
-// LocalhostNodePortsActive says whether NodePorts on 127.0.0.1 are programmed.
-func (c Config) LocalhostNodePortsActive() bool {
-	return c.Family == bus.IPv4 && c.LocalhostNodePorts
 }
 
 // Render computes the plan for snap: every chain of the family's ruleset.
@@ -287,7 +284,7 @@ type rendering struct {
 	nat, filter []part
 	udp         []udpFrontEnd
 	checks      []healthCheck
-	noLocal     [2]int // "internal", "external"
+	noLocal     bus.NoLocal
 	buckets     []netip.Prefix
 }
 
@@ -312,8 +309,7 @@ type healthCheck struct {
 
 // compact is what the cache keeps of one service's renderer.
 func (r *renderer) compact() rendering {
-	out := rendering{nat: r.nat.parts(), filter: r.filter.parts(),
-		noLocal: [2]int{r.noLocal["internal"], r.noLocal["external"]}}
+	out := rendering{nat: r.nat.parts(), filter: r.filter.parts(), noLocal: r.noLocal}
 	r.nat.release()
 	r.filter.release()
 	for k, v := range r.udp {

@@ -190,7 +190,7 @@ func TestHealthChecksAndNoLocalCounts(t *testing.T) {
 	if got := p.HealthChecks.Services[s.ServiceKey]; got.LocalEndpoints != 0 || got.NodePort != 32000 {
 		t.Errorf("health check = %+v, want port 32000 with 0 local endpoints", got)
 	}
-	if p.NoLocalEndpoints["external"] != 1 || p.NoLocalEndpoints["internal"] != 0 {
+	if p.NoLocalEndpoints != (bus.NoLocal{External: 1}) {
 		t.Errorf("no-local counts = %v, want external 1, internal 0", p.NoLocalEndpoints)
 	}
 }

@@ -24,7 +24,7 @@ type renderer struct {
 	zone       string
 	udp        map[netip.AddrPort][]netip.AddrPort
 	checks     map[bus.ServiceKey]bus.HealthCheck
-	noLocal    map[string]int
+	noLocal    bus.NoLocal
 	buckets    map[netip.Prefix]bool
 }
 
@@ -33,7 +33,6 @@ func newRenderer(cfg Config, snap *bus.Snapshot) *renderer {
 		cfg: cfg, snap: snap,
 		nat: newTable(nf.TableNAT), filter: newTable(nf.TableFilter),
 		udp: map[netip.AddrPort][]netip.AddrPort{}, checks: map[bus.ServiceKey]bus.HealthCheck{},
-		noLocal: map[string]int{"internal": 0, "external": 0},
 		buckets: map[netip.Prefix]bool{},
 	}
 	m := fmt.Sprintf("0x%x", uint32(1)<<uint(cfg.MasqueradeBit))
@@ -112,7 +111,7 @@ func (r *renderer) writeFixedChains() {
 	}
 	r.filter.rule(nf.ChainForward, comment("kubernetes forwarding rules"), []string{"-m", "mark", "--mark", r.mark, "-j", "ACCEPT"})
 	r.filter.rule(nf.ChainForward, comment("kubernetes forwarding conntrack rule"), []string{"-m", "conntrack", "--ctstate", "RELATED,ESTABLISHED", "-j", "ACCEPT"})
-	if r.cfg.LocalhostNodePortsActive() {
+	if r.cfg.LocalhostNodePorts {
 		r.filter.rule(nf.ChainLocalnetFirewall, comment("block incoming localnet connections"),
 			[]string{"-d", "127.0.0.0/8", "!", "-s", "127.0.0.0/8", "-m", "conntrack", "!", "--ctstate", "RELATED,ESTABLISHED,DNAT", "-j", "DROP"})
 	}
@@ -139,16 +138,6 @@ type servicePort struct {
 	externally bool
 }
 
-func (r *renderer) ofFamily(addrs []netip.Addr) []netip.Addr {
-	var out []netip.Addr
-	for _, a := range addrs {
-		if bus.FamilyOf(a) == r.cfg.Family {
-			out = append(out, a)
-		}
-	}
-	return out
-}
-
 func (r *renderer) writeServicePort(svc *bus.Service, port bus.Port) {
 	clusterIP, ok := svc.ClusterIPOf(r.cfg.Family)
 	if !ok {
@@ -157,18 +146,14 @@ func (r *renderer) writeServicePort(svc *bus.Service, port bus.Port) {
 	name := svc.PortName(port)
 	sp := &servicePort{
 		svc: svc, port: port, name: name, label: name.String(),
-		clusterIP: clusterIP, externals: r.ofFamily(svc.ExternalIPs), lbIPs: r.ofFamily(svc.LoadBalancerIPs),
+		clusterIP: clusterIP, externals: bus.AddrsOf(r.cfg.Family, svc.ExternalIPs), lbIPs: bus.AddrsOf(r.cfg.Family, svc.LoadBalancerIPs),
 		intLocal: svc.InternalPolicyLocal,
 		svcChain: nf.ServiceChain(nf.PrefixService, name), svlChain: nf.ServiceChain(nf.PrefixServiceLocal, name),
 		extChain: nf.ServiceChain(nf.PrefixExternal, name), fwChain: nf.ServiceChain(nf.PrefixFirewall, name),
 	}
 	p := strings.ToLower(string(port.Protocol))
 	sp.proto = []string{"-m", p, "-p", p}
-	for _, s := range svc.LoadBalancerSourceRanges {
-		if bus.FamilyOf(s.Addr()) == r.cfg.Family {
-			sp.sources = append(sp.sources, s)
-		}
-	}
+	sp.sources = bus.PrefixesOf(r.cfg.Family, svc.LoadBalancerSourceRanges)
 	sp.externally = port.NodePort != 0 || len(sp.externals) > 0 || len(sp.lbIPs) > 0
 	sp.extLocal = svc.ExternalPolicyLocal && sp.externally
 	usesCluster := !sp.intLocal || sp.externally
@@ -222,11 +207,11 @@ func (r *renderer) decide(sp *servicePort) decision {
 	if d.hasEndpoints {
 		if !d.hasInternal {
 			d.intTarget, d.intComment = "DROP", sp.label+" has no local endpoints"
-			r.noLocal["internal"]++
+			r.noLocal.Internal++
 		}
 		if !d.hasExternal {
 			d.extTarget, d.extComment = "DROP", sp.label+" has no local endpoints"
-			r.noLocal["external"]++
+			r.noLocal.External++
 		}
 	}
 	return d
@@ -308,7 +293,7 @@ func (r *renderer) writeNodePort(sp *servicePort, d decision) {
 	}
 	npPort := []string{"--dport", strconv.Itoa(int(np))}
 	if d.hasEndpoints {
-		if r.cfg.LocalhostNodePortsActive() && r.cfg.NFAcct.LocalhostNodePorts {
+		if r.cfg.LocalhostNodePorts && r.cfg.NFAcct.LocalhostNodePorts {
 			// Only counts: the rule after it would take the same packets to the same chain.
 			r.nat.rule(nf.ChainNodePorts, comment(sp.label), sp.proto, []string{"-d", "127.0.0.0/8"}, npPort,
 				countIn(true, nf.NFAcctLocalhostNodePorts), []string{"-j", sp.extChain})
@@ -458,7 +443,7 @@ func countReadyLocal(eps []endpoint) int {
 // address of the family), the one address kube-proxy checks source ranges against.
 func (r *renderer) primaryIPIn(p netip.Prefix) bool {
 	if node := r.snap.State.Node; node != nil {
-		if ips := r.ofFamily(node.Addrs); len(ips) > 0 {
+		if ips := bus.AddrsOf(r.cfg.Family, node.Addrs); len(ips) > 0 {
 			return p.Contains(ips[0])
 		}
 	}
@@ -561,7 +546,7 @@ func (r *renderer) writeNodePortsTail() {
 		return
 	}
 	for _, ip := range targets {
-		if ip.IsLoopback() && !r.cfg.LocalhostNodePortsActive() {
+		if ip.IsLoopback() && !r.cfg.LocalhostNodePorts {
 			continue
 		}
 		r.nat.rule(nf.ChainServices, comment(text), []string{"-d", hostCIDR(ip), "-j", nf.ChainNodePorts})
@@ -579,7 +564,7 @@ func (r *renderer) nodePortIPs() []netip.Addr {
 	case r.cfg.NodePortPrimary:
 		out := []netip.Addr{}
 		if node := r.snap.State.Node; node != nil {
-			if ips := r.ofFamily(node.Addrs); len(ips) > 0 {
+			if ips := bus.AddrsOf(r.cfg.Family, node.Addrs); len(ips) > 0 {
 				out = append(out, ips[0])
 			}
 		}
@@ -589,7 +574,7 @@ func (r *renderer) nodePortIPs() []netip.Addr {
 			return nil // 0.0.0.0/0 or ::/0: kube-proxy matches every address
 		}
 		out := []netip.Addr{}
-		for _, a := range r.ofFamily(r.snap.State.LocalAddrs) {
+		for _, a := range bus.AddrsOf(r.cfg.Family, r.snap.State.LocalAddrs) {
 			for _, p := range r.cfg.NodePortAddresses {
 				if p.Contains(a) {
 					out = append(out, a)

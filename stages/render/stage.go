@@ -5,6 +5,7 @@ import (
 	"time"
 
 	"github.com/kpipe/kpipe/bus"
+	nf "github.com/kpipe/kpipe/netfilter"
 )
 
 // Params wire the render stage of one family.
@@ -36,7 +37,7 @@ func (s *Stage) Run(ctx context.Context) error {
 		plan := renderer.Render(snap)
 		plan.Started = start
 		s.p.Env.Log.Debug("rendered", "generation", plan.Generation, "full", plan.Full, "took", time.Since(start),
-			"nat_chains", len(plan.Tables[0].Chains), "filter_chains", len(plan.Tables[1].Chains))
+			"nat_chains", len(plan.Table(nf.TableNAT).Chains), "filter_chains", len(plan.Table(nf.TableFilter).Chains))
 		s.p.Out.Put(plan)
 	}
 }
