@@ -108,8 +108,9 @@ func TestMarkAndPostrouting(t *testing.T) {
 			nf.ChainServices: {"-d 10.96.0.1/32 ! -s 10.244.0.0/16 -j KUBE-MARK-MASQ", "-d 10.96.0.1/32 -j DNAT --to-destination 10.244.1.5:8080"},
 			nf.ChainMarkMasq: nil,
 		}), filterChains(nil))
-		p.Tables[0].Chains = slices.DeleteFunc(p.Tables[0].Chains, func(c bus.Chain) bool { return c.Name == nf.ChainMarkMasq })
-		p.Tables[0].Chains = append(p.Tables[0].Chains, bus.Chain{Name: nf.ChainMarkMasq, Rules: "-A KUBE-MARK-MASQ -j MARK --or-mark " + tc.mark + "\n"})
+		nat := p.Table(nf.TableNAT)
+		nat.Chains = slices.DeleteFunc(nat.Chains, func(c bus.Chain) bool { return c.Name == nf.ChainMarkMasq })
+		nat.Chains = append(nat.Chains, bus.Chain{Name: nf.ChainMarkMasq, Rules: "-A KUBE-MARK-MASQ -j MARK --or-mark " + tc.mark + "\n"})
 		outside := Trace(p, nodeIPs, nil, tcp(netip.MustParseAddr("1.2.3.4"), vip, 80))
 		if outside.Err != nil || outside.Masqueraded != tc.masq {
 			t.Errorf("mark %s, from outside: %v, want masqueraded %v", tc.mark, outside, tc.masq)
