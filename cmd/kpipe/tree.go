@@ -128,13 +128,13 @@ func buildTree(o *Options, d deps) *supervise.Supervisor {
 	resync := map[bus.Family]*bus.ResyncFlag{}
 	repairs := map[bus.Family]*bus.Mailbox[bus.Repair]{}
 	var r treeRunners
-	var coalesceIO []coalesce.Family
+	var coalesceIO []coalesce.Pipeline
 	for _, f := range d.families() {
 		snapshots, plans := bus.NewMailbox[*bus.Snapshot](), bus.NewMailbox[*bus.Plan]()
 		results, resend := bus.NewMailbox[bus.Result](), bus.NewResendFlag()
 		flows, familyRepairs := pending.of(f)
 		resync[f], repairs[f] = bus.NewResyncFlag(), familyRepairs
-		coalesceIO = append(coalesceIO, coalesce.Family{Family: f, Out: snapshots, Results: results, Resync: resync[f], Resend: resend})
+		coalesceIO = append(coalesceIO, coalesce.Pipeline{Family: f, Out: snapshots, Results: results, Resync: resync[f], Resend: resend})
 		opts := o.forFamily(f, d.host)
 		rs := render.NewStage(render.Params{Config: opts.render, In: snapshots, Out: plans, Resend: resend,
 			Env: envs.For(bus.Render.Of(f))})

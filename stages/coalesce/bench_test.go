@@ -18,10 +18,10 @@ import (
 // with the number of pending services.
 func BenchmarkEventWhileManyPending(b *testing.B) {
 	in := bus.NewChangeQueue()
-	fam := coalesce.Family{Family: bus.IPv4, Out: bus.NewMailbox[*bus.Snapshot](), Results: bus.NewMailbox[bus.Result](),
+	fam := coalesce.Pipeline{Family: bus.IPv4, Out: bus.NewMailbox[*bus.Snapshot](), Results: bus.NewMailbox[bus.Result](),
 		Resync: bus.NewResyncFlag(), Resend: bus.NewResendFlag()}
 	s := coalesce.NewStage(coalesce.Params{Config: coalesce.Config{SyncPeriod: time.Hour}, In: in, Replay: bus.NewReplayFlag(),
-		Families: []coalesce.Family{fam}, Env: bus.Envs{Metrics: metrics.New(prometheus.NewRegistry()), Board: bus.NewBoard()}.For(bus.Coalesce)})
+		Families: []coalesce.Pipeline{fam}, Env: bus.Envs{Metrics: metrics.New(prometheus.NewRegistry()), Board: bus.NewBoard()}.For(bus.Coalesce)})
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)
 	go func() { done <- s.Run(ctx) }()

@@ -8,7 +8,7 @@ import (
 	"log/slog"
 	"maps"
 	"math"
-	"reflect"
+	"sync"
 	"time"
 
 	"github.com/kpipe/kpipe/bus"
@@ -28,8 +28,9 @@ type Config struct {
 	FullSyncPeriod time.Duration
 }
 
-// Family is the mailboxes that connect coalesce to one family's pipeline.
-type Family struct {
+// Pipeline is the mailboxes and flags that connect coalesce to one family's
+// render and commit.
+type Pipeline struct {
 	Family  bus.Family
 	Out     *bus.Mailbox[*bus.Snapshot]
 	Results *bus.Mailbox[bus.Result]
@@ -42,7 +43,7 @@ type Params struct {
 	Config   Config
 	In       *bus.ChangeQueue
 	Replay   *bus.ReplayFlag // raised on every start: watch sends the whole state
-	Families []Family
+	Families []Pipeline      // one per family kpipe programs
 	// Env reports each family's pending changes under Coalesce.Of(family).
 	Env bus.Env
 }
@@ -52,7 +53,7 @@ type Stage struct {
 	cfg      Config
 	in       *bus.ChangeQueue
 	replay   *bus.ReplayFlag
-	families []Family
+	families []Pipeline
 	status   bus.Reporter
 	metrics  *metrics.Metrics
 	log      *slog.Logger
@@ -111,7 +112,7 @@ func (p *pendingChange) addTrigger(t time.Time) {
 
 // familyState is what coalesce tracks for one family's pipeline.
 type familyState struct {
-	Family
+	Pipeline
 	status  bus.Reporter // this family's entry on the board
 	pending map[bus.ServiceKey]pendingChange
 	oldest  time.Time // the oldest pending change's time (zero: none)
@@ -150,79 +151,154 @@ func (s *Stage) Run(ctx context.Context) error {
 	if s.started.IsZero() {
 		s.started = s.now()
 	}
-	st := bus.State{Services: map[bus.ServiceKey]*bus.Service{}, Slices: map[bus.ServiceKey]map[string]*bus.EndpointSlice{}}
-	synced := false
-	fams := make([]*familyState, len(s.families))
-	for i, f := range s.families {
+	l := s.newLoop()
+	s.replay.Raise()
+	return l.run(ctx)
+}
+
+// loop is one Run of the stage: the desired state and what it tracks per
+// family. Nothing of it outlives the Run (the Stage keeps what must).
+type loop struct {
+	*Stage
+	state  bus.State
+	synced bool // the replay arrived: snapshots may go
+	fams   []*familyState
+}
+
+func (s *Stage) newLoop() *loop {
+	l := &loop{Stage: s,
+		state: bus.State{Services: map[bus.ServiceKey]*bus.Service{}, Slices: map[bus.ServiceKey]map[string]*bus.EndpointSlice{}}}
+	for _, p := range s.families {
 		// The first snapshot is not forced to be a full sync: commit's ledger knows
 		// whether the kernel holds what it wrote (a restart of coalesce alone costs
 		// no rewrite; a new process's first commit is a full one anyway). The
 		// hourly full sync counts from now.
-		fams[i] = &familyState{Family: f, status: s.status.Of(f.Family), pending: map[bus.ServiceKey]pendingChange{}, lastFull: s.now(),
-			limiter: newLimiter(s.cfg.MinSyncPeriod, s.cfg.Burst, s.now()), outages: newOutages()}
+		l.fams = append(l.fams, &familyState{Pipeline: p, status: s.status.Of(p.Family), pending: map[bus.ServiceKey]pendingChange{},
+			lastFull: s.now(), limiter: newLimiter(s.cfg.MinSyncPeriod, s.cfg.Burst, s.now()), outages: newOutages()})
 	}
-	s.replay.Raise()
-	periodic := time.NewTicker(s.cfg.SyncPeriod)
+	return l
+}
+
+// signalKind says which of its pipeline's signals a family raised.
+type signalKind int
+
+const (
+	resyncWanted signalKind = iota // the Resync flag: the tables were flushed
+	resendWanted                   // the Resend flag: the snapshot in flight was lost
+	resultReady                    // the Results mailbox: commit answered
+)
+
+// familySignal is one signal of family f's pipeline.
+type familySignal struct {
+	f    *familyState
+	kind signalKind
+}
+
+func (l *loop) run(ctx context.Context) error {
+	// The forwarders end with the Run, even one that panics.
+	ctx, cancel := context.WithCancel(ctx)
+	var forwarders sync.WaitGroup
+	defer forwarders.Wait()
+	defer cancel()
+	signals := make(chan familySignal)
+	for _, f := range l.fams {
+		forwarders.Go(func() { forward(ctx, f, signals) })
+	}
+	periodic := time.NewTicker(l.cfg.SyncPeriod)
 	defer periodic.Stop()
-	timer := time.NewTimer(time.Hour)
-	defer timer.Stop()
-
-	// One select over the fixed channels and three per family (any number of
-	// families), built once.
-	const ctxCase, inCase, periodicCase, timerCase, familyCases = 0, 1, 2, 3, 4
-	cases := []reflect.SelectCase{
-		{Dir: reflect.SelectRecv, Chan: reflect.ValueOf(ctx.Done())},
-		{Dir: reflect.SelectRecv, Chan: reflect.ValueOf(s.in.Ready())},
-		{Dir: reflect.SelectRecv, Chan: reflect.ValueOf(periodic.C)},
-		{Dir: reflect.SelectRecv, Chan: reflect.ValueOf(timer.C)},
-	}
-	for _, f := range fams {
-		cases = append(cases,
-			reflect.SelectCase{Dir: reflect.SelectRecv, Chan: reflect.ValueOf(f.Resync.C())},
-			reflect.SelectCase{Dir: reflect.SelectRecv, Chan: reflect.ValueOf(f.Resend.C())},
-			reflect.SelectCase{Dir: reflect.SelectRecv, Chan: reflect.ValueOf(f.Results.Ready())})
-	}
-
+	due := time.NewTimer(time.Hour)
+	defer due.Stop()
 	for {
-		now := s.now()
 		// Arm the timer for the next moment a snapshot may go out.
-		if at, ok := s.nextRun(synced, fams, now); ok {
-			resetTimer(timer, at.Sub(now))
+		now := l.now()
+		if at, ok := l.nextRun(now); ok {
+			resetTimer(due, at.Sub(now))
 		} else {
-			resetTimer(timer, time.Hour)
+			resetTimer(due, time.Hour)
 		}
-		chosen, _, _ := reflect.Select(cases)
-		switch chosen {
-		case ctxCase:
+		select {
+		case <-ctx.Done():
 			return nil
-		case inCase:
-			s.take(&st, &synced, fams)
-		case periodicCase:
-			for _, f := range fams {
-				if s.now().Sub(f.lastFull) >= s.cfg.FullSyncPeriod {
-					f.wantFull(s.gen + 1)
-				} else {
-					f.wantRefresh(s.gen + 1)
-				}
+		case <-l.in.Ready():
+			l.take()
+		case <-periodic.C:
+			l.periodicSync()
+		case <-due.C:
+			l.sendDue()
+		case sig := <-signals:
+			switch sig.kind {
+			case resyncWanted:
+				l.resync(sig.f)
+			case resendWanted:
+				l.resend(sig.f)
+			case resultReady:
+				l.result(sig.f)
 			}
-		case timerCase:
-			now := s.now()
-			for _, f := range fams {
-				if synced && f.due(now) && s.mayGo(f, now) {
-					s.gen++
-					s.send(f, &st, s.gen, s.seq, now)
-				}
+		}
+	}
+}
+
+// forward hands f's signals to the loop until ctx ends, one at a time, so
+// that one plain select serves any number of families. It loses none, and
+// reorders none in a way a select over every family's channels could not:
+//   - it takes a signal only to hand it on; one it cannot hand on because
+//     the Run ends goes back (a flag is raised again for the next Run; a
+//     Result stays in its mailbox, and a new Run, with nothing in flight,
+//     ignores any Result from before it anyway);
+//   - a family's signals reach the loop in the order its one forwarder took
+//     them, and a family's signals touch only its own familyState;
+//   - while a signal waits to be handed on its flag is down, so a raise
+//     meanwhile is handled once more, as a raise just after the loop took
+//     the flag would be (resync and resend only set wishes again; a second
+//     Result signal finds the mailbox empty);
+//   - a signal waiting to be handed on is one more ready case of the loop's
+//     select, which picks at random among them, as a select over every
+//     family's channels would.
+func forward(ctx context.Context, f *familyState, signals chan<- familySignal) {
+	for {
+		var kind signalKind
+		select {
+		case <-ctx.Done():
+			return
+		case <-f.Resync.C():
+			kind = resyncWanted
+		case <-f.Resend.C():
+			kind = resendWanted
+		case <-f.Results.Ready():
+			kind = resultReady
+		}
+		select {
+		case signals <- familySignal{f, kind}:
+		case <-ctx.Done():
+			switch kind {
+			case resyncWanted:
+				f.Resync.Raise()
+			case resendWanted:
+				f.Resend.Raise()
 			}
-		default:
-			f := fams[(chosen-familyCases)/3]
-			switch (chosen - familyCases) % 3 {
-			case 0:
-				s.resync(f)
-			case 1:
-				s.resend(f)
-			case 2:
-				s.result(f)
-			}
+			return
+		}
+	}
+}
+
+// periodicSync asks every family for a periodic sync, or a full one if the
+// last was FullSyncPeriod ago.
+func (l *loop) periodicSync() {
+	for _, f := range l.fams {
+		if l.now().Sub(f.lastFull) >= l.cfg.FullSyncPeriod {
+			f.wantFull(l.gen + 1)
+		} else {
+			f.wantRefresh(l.gen + 1)
+		}
+	}
+}
+
+// sendDue sends a snapshot to every family that needs one and may have it now.
+func (l *loop) sendDue() {
+	now := l.now()
+	for _, f := range l.fams {
+		if l.synced && f.due(now) && l.mayGo(f, now) {
+			l.send(f, now)
 		}
 	}
 }
@@ -242,17 +318,17 @@ func (f *familyState) due(now time.Time) bool {
 }
 
 // nextRun is when the next snapshot may go out, if any is wanted.
-func (s *Stage) nextRun(synced bool, fams []*familyState, now time.Time) (time.Time, bool) {
-	if !synced {
+func (l *loop) nextRun(now time.Time) (time.Time, bool) {
+	if !l.synced {
 		return time.Time{}, false
 	}
 	var best time.Time
 	found := false
-	for _, f := range fams {
+	for _, f := range l.fams {
 		if f.inflight != 0 || !(f.dirty || f.full || f.refresh) {
 			continue
 		}
-		at := s.goesAt(f, now)
+		at := l.goesAt(f, now)
 		if !found || at.Before(best) {
 			best, found = at, true
 		}
@@ -289,24 +365,27 @@ func (s *Stage) mayGo(f *familyState, now time.Time) bool {
 
 // take applies everything watch queued: the replay first, then the latest change
 // of each object.
-func (s *Stage) take(st *bus.State, synced *bool, fams []*familyState) {
-	cs, ok := s.in.TryTake()
+func (l *loop) take() {
+	cs, ok := l.in.TryTake()
 	if !ok {
 		return
 	}
 	if cs.Replay != nil {
-		s.seq++
-		s.apply(st, synced, bus.Change{Kind: bus.Replayed, Replay: cs.Replay}, s.seq, fams)
+		l.seq++
+		l.apply(bus.Change{Kind: bus.Replayed, Replay: cs.Replay}, l.seq)
 	}
 	for _, c := range cs.Objects {
-		s.seq++
-		s.apply(st, synced, c, s.seq, fams)
+		l.seq++
+		l.apply(c, l.seq)
 	}
 }
 
-func (s *Stage) apply(st *bus.State, synced *bool, c bus.Change, seq uint64, all []*familyState) {
-	now := s.now()
-	fams := touched(st, c, all)
+// apply folds change number seq into the state and marks the families it
+// touches pending.
+func (l *loop) apply(c bus.Change, seq uint64) {
+	now := l.now()
+	st := &l.state
+	fams := touched(st, c, l.fams)
 	mark := func(key bus.ServiceKey) {
 		for _, f := range fams {
 			f.dirty = true
@@ -329,9 +408,9 @@ func (s *Stage) apply(st *bus.State, synced *bool, c bus.Change, seq uint64, all
 				}
 				// A slice programs only its own family's rules (kube-proxy's per-family
 				// proxiers each see only their slices).
-				if c.Kind == bus.SliceChanged && c.Slice != nil && c.Slice.Family == f.Family.Family {
+				if c.Kind == bus.SliceChanged && c.Slice != nil && c.Slice.Family == f.Family {
 					for _, t := range []time.Time{c.EarlierTrigger, c.Slice.TriggerTime} {
-						if t.After(s.started) {
+						if t.After(l.started) {
 							p.addTrigger(t)
 						}
 					}
@@ -393,18 +472,18 @@ func (s *Stage) apply(st *bus.State, synced *bool, c bus.Change, seq uint64, all
 		if st.Slices == nil {
 			st.Slices = map[bus.ServiceKey]map[string]*bus.EndpointSlice{}
 		}
-		*synced = true
+		l.synced = true
 		for k := range keys {
 			mark(k)
 			noteOutage(st, k, fams, now)
 		}
 		mark(bus.ServiceKey{})
-		s.log.Info("state replayed from watch", "services", len(st.Services))
+		l.log.Info("state replayed from watch", "services", len(st.Services))
 	}
 	for _, f := range fams {
-		s.metrics.LastQueued.WithLabelValues(f.Family.Family.String()).SetToCurrentTime()
+		l.metrics.LastQueued.WithLabelValues(f.Family.String()).SetToCurrentTime()
 	}
-	s.publish(fams, now)
+	l.publish(fams, now)
 }
 
 // noteOutage records, for each family in fams, whether key, as st has it,
@@ -412,7 +491,7 @@ func (s *Stage) apply(st *bus.State, synced *bool, c bus.Change, seq uint64, all
 // name, what reach depends on, never changes.)
 func noteOutage(st *bus.State, key bus.ServiceKey, fams []*familyState, now time.Time) {
 	for _, f := range fams {
-		f.outages.note(st, key, f.Family.Family, now)
+		f.outages.note(st, key, f.Family, now)
 	}
 }
 
@@ -442,7 +521,7 @@ func touched(st *bus.State, c bus.Change, all []*familyState) []*familyState {
 	}
 	var out []*familyState
 	for _, f := range all {
-		if has(f.Family.Family) {
+		if has(f.Family) {
 			out = append(out, f)
 		}
 	}
@@ -476,7 +555,7 @@ func (s *Stage) result(f *familyState) {
 		backoff := s.retry.Delay(f.failures, nil)
 		f.retryAt = now.Add(backoff)
 		f.wantFull(s.gen + 1)
-		s.log.Warn("commit failed; retrying with a full sync", "family", f.Family.Family, "in", backoff, "failures", f.failures, "err", res.Err)
+		s.log.Warn("commit failed; retrying with a full sync", "family", f.Family, "in", backoff, "failures", f.failures, "err", res.Err)
 		return
 	}
 	f.failures, f.retryAt = 0, time.Time{}
@@ -498,7 +577,7 @@ func (s *Stage) result(f *familyState) {
 			continue
 		}
 		for _, t := range p.triggers {
-			s.metrics.NetworkProgramming.WithLabelValues(f.Family.Family.String()).Observe(res.At.Sub(t).Seconds())
+			s.metrics.NetworkProgramming.WithLabelValues(f.Family.String()).Observe(res.At.Sub(t).Seconds())
 		}
 		if p.service {
 			f.pendingServices--
@@ -511,7 +590,9 @@ func (s *Stage) result(f *familyState) {
 	s.publish([]*familyState{f}, time.Time{})
 }
 
-func (s *Stage) send(f *familyState, st *bus.State, gen, seq uint64, now time.Time) {
+// send numbers f's next snapshot of the state and sends it.
+func (l *loop) send(f *familyState, now time.Time) {
+	l.gen++
 	changed := make(map[bus.ServiceKey]bool, len(f.pending))
 	queued := time.Time{}
 	for k, p := range f.pending {
@@ -520,13 +601,14 @@ func (s *Stage) send(f *familyState, st *bus.State, gen, seq uint64, now time.Ti
 			queued = p.at
 		}
 	}
+	st := l.state
 	snap := &bus.Snapshot{
-		Generation: gen,
+		Generation: l.gen,
 		State: bus.State{Services: maps.Clone(st.Services), Slices: maps.Clone(st.Slices), Node: st.Node,
 			LocalAddrs: st.LocalAddrs},
 		Changed: changed, Full: f.full, Refresh: f.refresh, QueuedAt: queued,
 	}
-	f.inflight, f.sentSeq, f.dirty = gen, seq, false
+	f.inflight, f.sentSeq, f.dirty = l.gen, l.seq, false
 	f.outages.sentAll()
 	f.Out.Put(snap)
 }
@@ -542,7 +624,7 @@ func (s *Stage) publish(fams []*familyState, queued time.Time) {
 			}
 		})
 	}
-	if len(fams) > 0 && fams[0].Family.Family == s.families[0].Family {
+	if len(fams) > 0 && fams[0].Family == s.families[0].Family {
 		s.metrics.ServicesPending.Set(float64(fams[0].pendingServices))
 		s.metrics.EndpointsPending.Set(float64(fams[0].pendingEndpoints))
 	}

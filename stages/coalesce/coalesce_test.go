@@ -28,7 +28,7 @@ type harness struct {
 	t      *testing.T
 	in     *bus.ChangeQueue
 	replay *bus.ReplayFlag
-	fams   map[bus.Family]coalesce.Family
+	fams   map[bus.Family]coalesce.Pipeline
 	board  *bus.Board
 	reg    *prometheus.Registry
 	cancel context.CancelFunc
@@ -43,11 +43,11 @@ func start(t *testing.T, cfg coalesce.Config, families ...bus.Family) *harness {
 	if cfg.SyncPeriod == 0 {
 		cfg.SyncPeriod = time.Hour
 	}
-	h := &harness{t: t, in: bus.NewChangeQueue(), replay: bus.NewReplayFlag(), fams: map[bus.Family]coalesce.Family{},
+	h := &harness{t: t, in: bus.NewChangeQueue(), replay: bus.NewReplayFlag(), fams: map[bus.Family]coalesce.Pipeline{},
 		board: bus.NewBoard(), done: make(chan error, 1)}
-	var fs []coalesce.Family
+	var fs []coalesce.Pipeline
 	for _, f := range families {
-		cf := coalesce.Family{Family: f, Out: bus.NewMailbox[*bus.Snapshot](), Results: bus.NewMailbox[bus.Result](), Resync: bus.NewResyncFlag(), Resend: bus.NewResendFlag()}
+		cf := coalesce.Pipeline{Family: f, Out: bus.NewMailbox[*bus.Snapshot](), Results: bus.NewMailbox[bus.Result](), Resync: bus.NewResyncFlag(), Resend: bus.NewResendFlag()}
 		h.fams[f] = cf
 		fs = append(fs, cf)
 	}
@@ -800,10 +800,10 @@ func TestResendAfterRestartSendsTheState(t *testing.T) {
 // mailboxes outlive it) is taken for the answer to a new snapshot.
 func TestGenerationsOutliveARestart(t *testing.T) {
 	in, replay := bus.NewChangeQueue(), bus.NewReplayFlag()
-	fam := coalesce.Family{Family: bus.IPv4, Out: bus.NewMailbox[*bus.Snapshot](), Results: bus.NewMailbox[bus.Result](),
+	fam := coalesce.Pipeline{Family: bus.IPv4, Out: bus.NewMailbox[*bus.Snapshot](), Results: bus.NewMailbox[bus.Result](),
 		Resync: bus.NewResyncFlag(), Resend: bus.NewResendFlag()}
 	s := coalesce.NewStage(coalesce.Params{Config: coalesce.Config{SyncPeriod: time.Hour}, In: in, Replay: replay,
-		Families: []coalesce.Family{fam}, Env: bus.Envs{Metrics: metrics.New(prometheus.NewRegistry()), Board: bus.NewBoard()}.For(bus.Coalesce)})
+		Families: []coalesce.Pipeline{fam}, Env: bus.Envs{Metrics: metrics.New(prometheus.NewRegistry()), Board: bus.NewBoard()}.For(bus.Coalesce)})
 	run := func() (*bus.Snapshot, context.CancelFunc, chan error) {
 		ctx, cancel := context.WithCancel(context.Background())
 		done := make(chan error, 1)

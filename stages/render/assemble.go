@@ -16,10 +16,10 @@ import (
 //
 // A plan lists its chains by rank (nf.Rank), equal ranks in the order they were
 // first written: the fixed chains, then each service's in key order, then the
-// dispatch chains. Per-service chains (ranks 1 to 4) are taken whole from the
-// cache at each plan. A shared chain (every other rank) is its fixed rules, then
-// every contributing service's rules in key order, then its dispatch and tail
-// rules; it is rebuilt only when one of those changed.
+// dispatch chains. Per-service chains (nf.Kind.PerService) are taken whole from
+// the cache at each plan. A shared chain (every other kind) is its fixed section,
+// then every contributing service's rules in key order, then its dispatch and
+// tail sections; it is rebuilt only when one of those changed.
 type assembly struct {
 	shared map[string]*sharedChain
 	dirty  map[*sharedChain]bool
@@ -27,10 +27,9 @@ type assembly struct {
 	// chain comes or goes or another service becomes the first to write one.
 	order      []*sharedChain
 	orderDirty bool
-	// The chains the fixed, dispatch and tail rules declare, in the order
-	// they declare them.
-	fixed, dispatch, tail []string
-	// byRank is payload's room for the per-service chains of ranks 1 to 4.
+	// declared are the chains each section declares, in the order it declares them.
+	declared [numSections][]string
+	// byRank is payload's room for the per-service chains, which rank 1 to 4.
 	byRank [4][]bus.Chain
 	// owners counts the services that have each per-service chain; gone are
 	// the chains that lost their last owner or were deleted since the last
@@ -39,13 +38,23 @@ type assembly struct {
 	gone   []string
 }
 
+// section is a part of the shared chains that no service writes: each is
+// written by one ruleWriter for the whole snapshot, and kept until it changes.
+type section int
+
+const (
+	sectionFixed    section = iota // the fixed rules (writeFixedChains), before the services'
+	sectionDispatch                // the dispatch rules (writeBuckets), after the services'
+	sectionTail                    // the NodePorts tail (writeNodePortsTail), last
+	numSections
+)
+
 // sharedChain is a chain many services write into (a top-level or dispatch chain).
 type sharedChain struct {
 	name string
 	rank int
-	// head: the fixed rules; dispatch and tail: the rules after the services'.
-	head, dispatch, tail       chainPart
-	headed, dispatched, tailed bool // declared by each
+	// sections are the rules of each section in the chain.
+	sections [numSections]chainPart
 	// by maps each service writing into the chain to its part's index among
 	// that service's parts of the table.
 	by map[bus.ServiceKey]int
@@ -59,8 +68,19 @@ type sharedChain struct {
 
 // chainPart is some rules of a chain, as a table wrote them.
 type chainPart struct {
-	rules string
-	count int
+	rules    string
+	count    int32 // int32, as part's: three in each of thousands of shared chains
+	declared bool  // the table declared the chain (it may hold no rules)
+}
+
+// declared says whether a section declares the chain.
+func (c *sharedChain) declared() bool {
+	for _, p := range c.sections {
+		if p.declared {
+			return true
+		}
+	}
+	return false
 }
 
 func newAssembly() *assembly {
@@ -81,7 +101,7 @@ func (a *assembly) chain(name string) *sharedChain {
 // writes) into the shared chains of parts.
 func (a *assembly) contribute(key bus.ServiceKey, parts []part, add bool) {
 	for i, p := range parts {
-		if p.rank.perService() {
+		if p.perService {
 			if add {
 				a.owners[p.name]++
 			} else if a.owners[p.name]--; a.owners[p.name] == 0 {
@@ -100,26 +120,23 @@ func (a *assembly) contribute(key bus.ServiceKey, parts []part, add bool) {
 	}
 }
 
-// setRules records the rules t writes into each chain it declares, as the
-// head, dispatch or tail of the shared chains (which of them set and on say),
-// and marks what changed.
-func (a *assembly) setRules(t *table, was *[]string, get func(*sharedChain) (*chainPart, *bool)) {
-	if !slices.Equal(t.order, *was) {
-		for _, name := range *was {
+// setSection records the rules t writes into each chain it declares as
+// section s of those shared chains, and marks what changed.
+func (a *assembly) setSection(s section, t *table) {
+	if !slices.Equal(t.order, a.declared[s]) {
+		for _, name := range a.declared[s] {
 			c := a.chain(name)
-			p, on := get(c)
-			*p, *on = chainPart{}, false
+			c.sections[s] = chainPart{}
 			a.dirty[c] = true
 		}
-		*was = slices.Clone(t.order)
+		a.declared[s] = slices.Clone(t.order)
 		a.orderDirty = true
 	}
 	for _, name := range t.order {
 		c := a.chain(name)
 		ct := t.chains[name]
-		p, on := get(c)
-		if now := (chainPart{ct.String(), ct.count}); !*on || *p != now {
-			*p, *on = now, true
+		if now := (chainPart{ct.String(), int32(ct.count), true}); c.sections[s] != now {
+			c.sections[s] = now
 			a.dirty[c] = true
 		}
 	}
@@ -134,23 +151,26 @@ func (a *assembly) rebuild(cache map[bus.ServiceKey]*cachedService, partsOf func
 			keys = append(keys, k)
 		}
 		slices.SortFunc(keys, compareKeys)
-		if !c.headed && !c.dispatched && !c.tailed && len(keys) == 0 {
+		if !c.declared() && len(keys) == 0 {
 			delete(a.shared, c.name)
 			a.gone = append(a.gone, c.name)
 			a.orderDirty = true
 			continue
 		}
+		// The fixed section, the services' rules in key order, then the
+		// dispatch and tail sections.
 		var b strings.Builder
-		b.WriteString(c.head.rules)
-		count := c.head.count
+		fixed, dispatch, tail := c.sections[sectionFixed], c.sections[sectionDispatch], c.sections[sectionTail]
+		b.WriteString(fixed.rules)
+		count := int(fixed.count)
 		for _, k := range keys {
 			p := partsOf(cache[k])[c.by[k]]
 			b.WriteString(p.rules)
 			count += int(p.count)
 		}
-		b.WriteString(c.dispatch.rules)
-		b.WriteString(c.tail.rules)
-		count += c.dispatch.count + c.tail.count
+		b.WriteString(dispatch.rules)
+		b.WriteString(tail.rules)
+		count += int(dispatch.count) + int(tail.count)
 		text := b.String()
 		c.out, c.count = bus.Chain{Name: c.name, Rules: text, Hash: fnv64a(text)}, count
 		if len(keys) > 0 && (keys[0] != c.first || c.by[keys[0]] != c.firstAt) {
@@ -166,8 +186,8 @@ func (a *assembly) rebuild(cache map[bus.ServiceKey]*cachedService, partsOf func
 }
 
 // sortShared puts the shared chains in plan order: by rank, then in the order
-// a single pass would have declared them (fixed rules, services in key order,
-// dispatch and tail rules).
+// a single pass would have declared them (fixed section, services in key
+// order, dispatch and tail sections).
 func (a *assembly) sortShared() {
 	a.order = a.order[:0]
 	placed := make(map[*sharedChain]bool, len(a.shared))
@@ -177,12 +197,12 @@ func (a *assembly) sortShared() {
 			a.order = append(a.order, c)
 		}
 	}
-	for _, name := range a.fixed {
+	for _, name := range a.declared[sectionFixed] {
 		place(a.shared[name])
 	}
 	var byService []*sharedChain
 	for _, c := range a.shared {
-		if !c.headed && len(c.by) > 0 {
+		if !c.sections[sectionFixed].declared && len(c.by) > 0 {
 			byService = append(byService, c)
 		}
 	}
@@ -192,10 +212,10 @@ func (a *assembly) sortShared() {
 	for _, c := range byService {
 		place(c)
 	}
-	for _, name := range a.dispatch {
+	for _, name := range a.declared[sectionDispatch] {
 		place(a.shared[name])
 	}
-	for _, name := range a.tail {
+	for _, name := range a.declared[sectionTail] {
 		place(a.shared[name])
 	}
 	slices.SortStableFunc(a.order, func(x, y *sharedChain) int { return x.rank - y.rank })
@@ -205,15 +225,9 @@ func compareKeys(a, b bus.ServiceKey) int {
 	return cmp.Or(strings.Compare(a.Namespace, b.Namespace), strings.Compare(a.Name, b.Name))
 }
 
-// chainRank is a chain's nf.Rank, small enough to keep with each part.
-type chainRank uint8
-
-// perService says whether chains of this rank belong to one service port
-// (endpoint, service, external and firewall chains: nf.Kind.PerService).
-func (r chainRank) perService() bool { return r >= 1 && r <= 4 }
-
-// rankOf is chain's rank, capped (every shared rank above 4 stays above 4).
-func rankOf(chain string) chainRank { return chainRank(min(nf.Rank(chain), 255)) }
+// rankOf is chain's nf.Rank, capped to keep with each part (every rank above
+// 255 is a shared chain's, which payload does not order by).
+func rankOf(chain string) uint8 { return uint8(min(nf.Rank(chain), 255)) }
 
 // payload lists the table's chains in plan order: the shared chains ranked
 // below the per-service ones, every service's chains rank by rank in key
@@ -236,7 +250,7 @@ func (a *assembly) payload(name string, services []*cachedService, partsOf func(
 	}
 	for _, c := range services {
 		for _, p := range partsOf(c) {
-			if p.rank.perService() {
+			if p.perService {
 				a.byRank[p.rank-1] = append(a.byRank[p.rank-1], bus.Chain{Name: p.name, Rules: p.rules, Hash: p.hash})
 				tp.RuleCount += int(p.count)
 			}

@@ -140,23 +140,23 @@ func (rr *Renderer) Render(snap *bus.Snapshot) *bus.Plan {
 		rr.addKeys(added)
 	}
 
-	// The rules that do not come from one service: fixed, dispatch, tail.
-	fixed := newRenderer(rr.cfg, snap)
+	// The sections of the shared chains, which no one service writes.
+	fixed := newRuleWriter(rr.cfg, snap)
 	fixed.writeFixedChains()
-	rr.nat.setRules(fixed.nat, &rr.nat.fixed, func(c *sharedChain) (*chainPart, *bool) { return &c.head, &c.headed })
-	rr.filter.setRules(fixed.filter, &rr.filter.fixed, func(c *sharedChain) (*chainPart, *bool) { return &c.head, &c.headed })
+	rr.nat.setSection(sectionFixed, fixed.nat)
+	rr.filter.setSection(sectionFixed, fixed.filter)
 	if rr.rebucket {
-		d := newRenderer(rr.cfg, snap)
+		dispatch := newRuleWriter(rr.cfg, snap)
 		for p := range rr.buckets {
-			d.buckets[p] = true
+			dispatch.buckets[p] = true
 		}
-		d.writeBuckets()
-		rr.nat.setRules(d.nat, &rr.nat.dispatch, func(c *sharedChain) (*chainPart, *bool) { return &c.dispatch, &c.dispatched })
+		dispatch.writeBuckets()
+		rr.nat.setSection(sectionDispatch, dispatch.nat)
 		rr.rebucket = false
 	}
-	tail := newRenderer(rr.cfg, snap)
+	tail := newRuleWriter(rr.cfg, snap)
 	tail.writeNodePortsTail()
-	rr.nat.setRules(tail.nat, &rr.nat.tail, func(c *sharedChain) (*chainPart, *bool) { return &c.tail, &c.tailed })
+	rr.nat.setSection(sectionTail, tail.nat)
 	rr.nat.rebuild(rr.cache, natParts)
 	rr.filter.rebuild(rr.cache, filterParts)
 
@@ -178,7 +178,7 @@ func (rr *Renderer) rendered(snap *bus.Snapshot, key bus.ServiceKey) *cachedServ
 	if svc == nil {
 		return nil
 	}
-	one := newRenderer(rr.cfg, snap)
+	one := newRuleWriter(rr.cfg, snap)
 	for _, port := range svc.Ports {
 		one.writeServicePort(svc, port)
 	}
@@ -278,7 +278,7 @@ func sameSlices(list []*bus.EndpointSlice, m map[string]*bus.EndpointSlice) bool
 }
 
 // rendering is one service's rendering as the cache keeps it: at 10,000
-// services a whole renderer each (builders with room to grow, maps for one or
+// services a whole ruleWriter each (builders with room to grow, maps for one or
 // two entries) held as much again as the rules' text.
 type rendering struct {
 	nat, filter []part
@@ -289,12 +289,15 @@ type rendering struct {
 }
 
 // part is one chain's rules from one service: the whole of a per-service
-// chain (with its hash), or the service's rules in a shared one.
+// chain (with its hash and rank), or the service's rules in a shared one.
 type part struct {
 	name, rules string
 	hash        uint64
 	count       int32
-	rank        chainRank
+	// perService: the chain is the service's alone (nf.Kind.PerService), and
+	// rank its nf.Rank.
+	perService bool
+	rank       uint8
 }
 
 type udpFrontEnd struct {
@@ -307,8 +310,8 @@ type healthCheck struct {
 	hc  bus.HealthCheck
 }
 
-// compact is what the cache keeps of one service's renderer.
-func (r *renderer) compact() rendering {
+// compact is what the cache keeps of one service's ruleWriter.
+func (r *ruleWriter) compact() rendering {
 	out := rendering{nat: r.nat.parts(), filter: r.filter.parts(), noLocal: r.noLocal}
 	r.nat.release()
 	r.filter.release()

@@ -457,7 +457,7 @@ func TestHealthCheckAddrs(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			cfg := baseConfig()
 			tc.change(&cfg)
-			got := newRenderer(cfg, full(tc.st)).healthCheckAddrs()
+			got := newRuleWriter(cfg, full(tc.st)).healthCheckAddrs()
 			if (got == nil) != (tc.want == nil) || !slices.Equal(got, tc.want) {
 				t.Errorf("health check addresses = %v (nil: %v), want %v (nil: %v)", got, got == nil, tc.want, tc.want == nil)
 			}

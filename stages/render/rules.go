@@ -11,9 +11,9 @@ import (
 	nf "github.com/kpipe/kpipe/netfilter"
 )
 
-// renderer writes the rules of one snapshot (or of one service, for the cache)
+// ruleWriter writes the rules of one snapshot (or of one service, for the cache)
 // into a nat and a filter table, and collects what the plan reports besides them.
-type renderer struct {
+type ruleWriter struct {
 	cfg        Config
 	snap       *bus.Snapshot
 	nat        *table
@@ -28,8 +28,8 @@ type renderer struct {
 	buckets    map[netip.Prefix]bool
 }
 
-func newRenderer(cfg Config, snap *bus.Snapshot) *renderer {
-	r := &renderer{
+func newRuleWriter(cfg Config, snap *bus.Snapshot) *ruleWriter {
+	r := &ruleWriter{
 		cfg: cfg, snap: snap,
 		nat: newTable(nf.TableNAT), filter: newTable(nf.TableFilter),
 		udp: map[netip.AddrPort][]netip.AddrPort{}, checks: map[bus.ServiceKey]bus.HealthCheck{},
@@ -46,7 +46,7 @@ func newRenderer(cfg Config, snap *bus.Snapshot) *renderer {
 
 // localDetector returns the match that says "this packet comes from a local pod"
 // and its negation, or nils when the mode cannot tell (yet).
-func (r *renderer) localDetector() (isLocal, isNotLocal []string) {
+func (r *ruleWriter) localDetector() (isLocal, isNotLocal []string) {
 	switch r.cfg.DetectLocal {
 	case DetectClusterCIDR, "":
 		if len(r.cfg.ClusterCIDRs) > 0 {
@@ -89,7 +89,7 @@ func countIn(exists bool, name string) []string {
 }
 
 // writeFixedChains writes the chains every sync has, in kube-proxy's shape.
-func (r *renderer) writeFixedChains() {
+func (r *ruleWriter) writeFixedChains() {
 	for _, c := range []string{nf.ChainServices, nf.ChainNodePorts, nf.ChainPostrouting, nf.ChainMarkMasq} {
 		r.nat.declare(c)
 	}
@@ -138,7 +138,7 @@ type servicePort struct {
 	externally bool
 }
 
-func (r *renderer) writeServicePort(svc *bus.Service, port bus.Port) {
+func (r *ruleWriter) writeServicePort(svc *bus.Service, port bus.Port) {
 	clusterIP, ok := svc.ClusterIPOf(r.cfg.Family)
 	if !ok {
 		return // not a service of this family
@@ -180,7 +180,7 @@ type decision struct {
 	dport                                  []string
 }
 
-func (r *renderer) decide(sp *servicePort) decision {
+func (r *ruleWriter) decide(sp *servicePort) decision {
 	eps := sp.endpoints
 	d := decision{
 		hasEndpoints:     eps.hasAny,
@@ -217,7 +217,7 @@ func (r *renderer) decide(sp *servicePort) decision {
 	return d
 }
 
-func (r *renderer) writeRules(sp *servicePort) {
+func (r *ruleWriter) writeRules(sp *servicePort) {
 	d := r.decide(sp)
 	r.writeClusterIP(sp, d)
 	// The policy chains: after the cluster IP's masquerade rule, so it runs before any DNAT.
@@ -242,7 +242,7 @@ func (r *renderer) writeRules(sp *servicePort) {
 	}
 }
 
-func (r *renderer) writeClusterIP(sp *servicePort, d decision) {
+func (r *ruleWriter) writeClusterIP(sp *servicePort, d decision) {
 	cip := join(sp.proto, []string{"-d", hostCIDR(sp.clusterIP)}, d.dport)
 	if !d.hasInternal {
 		r.filter.rule(nf.ChainServices, comment(d.intComment), cip, []string{"-j", d.intTarget})
@@ -259,7 +259,7 @@ func (r *renderer) writeClusterIP(sp *servicePort, d decision) {
 	r.nat.rule(r.bucket(sp.clusterIP), args, []string{"-j", d.internalChain})
 }
 
-func (r *renderer) writeExternalIPs(sp *servicePort, d decision) {
+func (r *ruleWriter) writeExternalIPs(sp *servicePort, d decision) {
 	for _, ip := range sp.externals {
 		dst := join(sp.proto, []string{"-d", hostCIDR(ip)}, d.dport)
 		if d.hasEndpoints {
@@ -271,7 +271,7 @@ func (r *renderer) writeExternalIPs(sp *servicePort, d decision) {
 	}
 }
 
-func (r *renderer) writeLoadBalancerIPs(sp *servicePort, d decision) {
+func (r *ruleWriter) writeLoadBalancerIPs(sp *servicePort, d decision) {
 	for _, ip := range sp.lbIPs {
 		dst := join(sp.proto, []string{"-d", hostCIDR(ip)}, d.dport)
 		if d.hasEndpoints {
@@ -286,7 +286,7 @@ func (r *renderer) writeLoadBalancerIPs(sp *servicePort, d decision) {
 	}
 }
 
-func (r *renderer) writeNodePort(sp *servicePort, d decision) {
+func (r *ruleWriter) writeNodePort(sp *servicePort, d decision) {
 	np := sp.port.NodePort
 	if np == 0 {
 		return
@@ -307,7 +307,7 @@ func (r *renderer) writeNodePort(sp *servicePort, d decision) {
 
 // writeHealthCheck lets the health-check node port in, and tells health how many
 // local endpoints there are.
-func (r *renderer) writeHealthCheck(sp *servicePort) {
+func (r *ruleWriter) writeHealthCheck(sp *servicePort) {
 	hc := sp.svc.HealthCheckNodePort
 	if hc == 0 || !sp.extLocal {
 		return
@@ -320,7 +320,7 @@ func (r *renderer) writeHealthCheck(sp *servicePort) {
 
 // writeExternalChain writes the external-traffic chain: masquerade, and with a
 // Local policy the short-circuit for traffic that starts on this node.
-func (r *renderer) writeExternalChain(sp *servicePort, d decision) {
+func (r *ruleWriter) writeExternalChain(sp *servicePort, d decision) {
 	r.nat.declare(sp.extChain)
 	if !sp.extLocal {
 		r.nat.rule(sp.extChain, comment("masquerade traffic for "+sp.label+" external destinations"), []string{"-j", nf.ChainMarkMasq})
@@ -340,7 +340,7 @@ func (r *renderer) writeExternalChain(sp *servicePort, d decision) {
 
 // writeFirewallChain writes the chain for loadBalancerSourceRanges: allowed sources
 // go on, the rest fall through undNATted and KUBE-PROXY-FIREWALL drops them.
-func (r *renderer) writeFirewallChain(sp *servicePort) {
+func (r *ruleWriter) writeFirewallChain(sp *servicePort) {
 	r.nat.declare(sp.fwChain)
 	args := comment(sp.label + " loadbalancer IP")
 	allowNode := false
@@ -361,7 +361,7 @@ func (r *renderer) writeFirewallChain(sp *servicePort) {
 // writeEndpoints writes the load-balancing rules of a policy chain. Endpoints are
 // inline DNAT rules rather than kube-proxy's per-endpoint KUBE-SEP- chains:
 // iptables-restore --noflush on nf_tables costs much more per chain than per rule.
-func (r *renderer) writeEndpoints(sp *servicePort, chain string, eps []endpoint) {
+func (r *ruleWriter) writeEndpoints(sp *servicePort, chain string, eps []endpoint) {
 	r.nat.declare(chain)
 	affinity := sp.svc.AffinitySeconds > 0
 	// Each endpoint is either an inline DNAT or, for an endpoint that may be a pod
@@ -410,7 +410,7 @@ func (r *renderer) writeEndpoints(sp *servicePort, chain string, eps []endpoint)
 
 // writeEndpointChain writes the KUBE-SEP- chain of a possibly local endpoint (once, even when
 // both the cluster and the local policy chain use it).
-func (r *renderer) writeEndpointChain(sp *servicePort, sep string, e endpoint, affinity bool) {
+func (r *ruleWriter) writeEndpointChain(sp *servicePort, sep string, e endpoint, affinity bool) {
 	if _, done := r.nat.chains[sep]; done {
 		return
 	}
@@ -441,7 +441,7 @@ func countReadyLocal(eps []endpoint) int {
 
 // primaryIPIn says whether p holds the node's primary IP of this family (its first
 // address of the family), the one address kube-proxy checks source ranges against.
-func (r *renderer) primaryIPIn(p netip.Prefix) bool {
+func (r *ruleWriter) primaryIPIn(p netip.Prefix) bool {
 	if node := r.snap.State.Node; node != nil {
 		if ips := bus.AddrsOf(r.cfg.Family, node.Addrs); len(ips) > 0 {
 			return p.Contains(ips[0])
@@ -451,7 +451,7 @@ func (r *renderer) primaryIPIn(p netip.Prefix) bool {
 }
 
 // recordUDP notes which endpoints each UDP front-end now reaches, for conntrack.
-func (r *renderer) recordUDP(sp *servicePort, hasInternal, hasExternal bool) {
+func (r *ruleWriter) recordUDP(sp *servicePort, hasInternal, hasExternal bool) {
 	port := uint16(sp.port.Port)
 	internal, external := sp.endpoints.cluster, sp.endpoints.reachable
 	if sp.intLocal {
@@ -486,7 +486,7 @@ func addrPorts(eps []endpoint) []netip.AddrPort {
 
 // bucket is the chain that holds the KUBE-SERVICES rules for destination addr; it
 // records the bucket so writeBuckets can send traffic to it.
-func (r *renderer) bucket(addr netip.Addr) string {
+func (r *ruleWriter) bucket(addr netip.Addr) string {
 	p := nf.Bucket(addr)
 	r.buckets[p] = true
 	return nf.BucketChain(p)
@@ -498,7 +498,7 @@ func (r *renderer) bucket(addr netip.Addr) string {
 // level, and one that matches nothing there comes back and goes on to the
 // NodePort rule. The buckets were filled by the services; the dispatch chains are
 // written here, once per snapshot.
-func (r *renderer) writeBuckets() {
+func (r *ruleWriter) writeBuckets() {
 	children := map[netip.Prefix][]netip.Prefix{} // the zero Prefix: KUBE-SERVICES
 	seen := map[netip.Prefix]bool{}
 	for leaf := range r.buckets {
@@ -517,7 +517,7 @@ func (r *renderer) writeBuckets() {
 
 // writeDispatch writes chain's jumps to the chains of its children prefixes, in
 // address order, and then theirs.
-func (r *renderer) writeDispatch(chain string, p netip.Prefix, children map[netip.Prefix][]netip.Prefix) {
+func (r *ruleWriter) writeDispatch(chain string, p netip.Prefix, children map[netip.Prefix][]netip.Prefix) {
 	kids := children[p]
 	slices.SortFunc(kids, func(a, b netip.Prefix) int { return a.Addr().Compare(b.Addr()) })
 	for _, k := range kids {
@@ -532,7 +532,7 @@ func (r *renderer) writeDispatch(chain string, p netip.Prefix, children map[neti
 
 // writeNodePortsTail sends traffic for local addresses to KUBE-NODEPORTS; it must be
 // the last rule of KUBE-SERVICES.
-func (r *renderer) writeNodePortsTail() {
+func (r *ruleWriter) writeNodePortsTail() {
 	const text = "kubernetes service nodeports; NOTE: this must be the last rule in this chain"
 	targets := r.nodePortIPs()
 	if targets == nil {
@@ -556,10 +556,10 @@ func (r *renderer) writeNodePortsTail() {
 // healthCheckAddrs lists the addresses healthCheckNodePort servers listen on (nil:
 // every address): what --nodeport-addresses selects, loopback included, as
 // kube-proxy's service health server listens on every address the flag matches.
-func (r *renderer) healthCheckAddrs() []netip.Addr { return r.nodePortIPs() }
+func (r *ruleWriter) healthCheckAddrs() []netip.Addr { return r.nodePortIPs() }
 
 // nodePortIPs lists the addresses NodePorts answer on, or nil for "every local address".
-func (r *renderer) nodePortIPs() []netip.Addr {
+func (r *ruleWriter) nodePortIPs() []netip.Addr {
 	switch {
 	case r.cfg.NodePortPrimary:
 		out := []netip.Addr{}

@@ -1,6 +1,10 @@
 package render
 
-import "sync"
+import (
+	"sync"
+
+	nf "github.com/kpipe/kpipe/netfilter"
+)
 
 // table collects the chains of one table in the order they are first written.
 type table struct {
@@ -91,9 +95,9 @@ func (t *table) parts() []part {
 	out := make([]part, 0, len(t.order))
 	for _, name := range t.order {
 		c := t.chains[name]
-		p := part{name: name, rules: c.String(), count: int32(c.count), rank: rankOf(name)}
-		if p.rank.perService() {
-			p.hash = c.sum()
+		p := part{name: name, rules: c.String(), count: int32(c.count), perService: nf.KindOf(name).PerService()}
+		if p.perService {
+			p.hash, p.rank = c.sum(), rankOf(name)
 		}
 		out = append(out, p)
 	}
