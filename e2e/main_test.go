@@ -21,6 +21,7 @@ import (
 	"time"
 
 	"github.com/kpipe/kpipe/e2e/testbed"
+	"github.com/kpipe/kpipe/netfilter/netnstest"
 )
 
 const (
@@ -46,9 +47,8 @@ func runMain(m *testing.M) int {
 	logf := func(format string, args ...any) {
 		fmt.Fprintf(os.Stderr, "e2e: "+format+"\n", args...)
 	}
-	if os.Geteuid() != 0 {
-		logf("needs root (network namespaces, iptables)")
-		return 1
+	if code, unavailable := netnstest.MainUnavailable(); unavailable {
+		return code
 	}
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()

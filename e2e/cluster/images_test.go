@@ -20,6 +20,7 @@ import (
 	"time"
 
 	"github.com/kpipe/kpipe/e2e/testbed"
+	"github.com/kpipe/kpipe/netfilter/netnstest"
 )
 
 // TestDockerArchiveIsDeterministicAndNamed: the same inputs give the same
@@ -208,7 +209,7 @@ func TestPauseImageImportsAndRuns(t *testing.T) {
 // kube-proxy's image has both iptables backends behind the wrapper, kpipe's
 // kube-proxy path prints its stamp. A second BuildImages builds nothing.
 func TestBuiltImagesRun(t *testing.T) {
-	if testing.Short() {
+	if testing.Short() || SmokeOnly() {
 		t.Skip("builds every image (minutes on a cold cache)")
 	}
 	ctrd := startContainerd(t)
@@ -394,9 +395,7 @@ type testContainerd struct {
 // /run/containerd), and stops it when the test ends.
 func startContainerd(t *testing.T) *testContainerd {
 	t.Helper()
-	if os.Geteuid() != 0 {
-		t.Skip("needs root")
-	}
+	netnstest.RequireRoot(t)
 	for _, bin := range []string{"containerd", "ctr", "runc"} {
 		if _, err := exec.LookPath(bin); err != nil {
 			t.Skipf("no %s: %v", bin, err)

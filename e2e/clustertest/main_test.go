@@ -1,9 +1,10 @@
 // Package clustertest checks kpipe where operators meet it: its image, run by
 // a kubelet from kubeadm's DaemonSet or deploy/, in a real single-node
 // cluster (e2e/cluster) with a CNI, CoreDNS and pods whose EndpointSlices the
-// controller manager writes. With -short (`go tool task e2e-cluster-smoke`,
-// part of `go tool task test`) only the smoke subset runs: the drop-in image,
-// pods reaching the apiserver and DNS, one swap and rollback under traffic.
+// controller manager writes. With KPIPE_CLUSTER_SMOKE=1 (`go tool task
+// e2e-cluster-smoke`, part of `go tool task test`) only the smoke subset runs:
+// the drop-in image, pods reaching the apiserver and DNS, one swap and
+// rollback under traffic. Under -short (no root, no kernel) none runs.
 //
 // A cluster already running (`go tool task cluster`) is used and left
 // running; otherwise one is brought up for the run and taken down after it.
@@ -18,14 +19,14 @@ import (
 	"time"
 
 	"github.com/kpipe/kpipe/e2e/cluster"
+	"github.com/kpipe/kpipe/netfilter/netnstest"
 )
 
 var c *cluster.Cluster
 
 func TestMain(m *testing.M) {
-	if os.Geteuid() != 0 {
-		fmt.Println("skipping the real-cluster tests: they need root")
-		os.Exit(0)
+	if code, unavailable := netnstest.MainUnavailable(); unavailable {
+		os.Exit(code)
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), 45*time.Minute)
 	wasRunning := cluster.Running()
@@ -49,7 +50,7 @@ func TestMain(m *testing.M) {
 
 // fullOnly skips a test in the smoke run.
 func fullOnly(t *testing.T) {
-	if testing.Short() {
+	if cluster.SmokeOnly() {
 		t.Skip("not in the smoke subset: go tool task e2e-cluster")
 	}
 }

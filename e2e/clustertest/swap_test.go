@@ -8,6 +8,8 @@ import (
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
+
+	"github.com/kpipe/kpipe/e2e/cluster"
 )
 
 // TestSwapAndRollback hands the node from kubeadm's kube-proxy to kpipe's
@@ -39,7 +41,7 @@ func TestSwapAndRollback(t *testing.T) {
 	programsAChange(t, ctx, e, "kube-proxy")
 
 	ways := [][2]handover{{toKpipeDeploy, toKubeProxyUndo}}
-	if !testing.Short() {
+	if !cluster.SmokeOnly() {
 		ways = append(ways, [2]handover{toKpipeSetImage, toKubeProxyKubeadm})
 	}
 	for i, way := range ways {

@@ -39,6 +39,9 @@ func tarOf(t *testing.T, entries ...entry) []byte {
 		}
 		if hdr.Mode == 0 {
 			hdr.Mode = 0o644
+			if hdr.Typeflag == tar.TypeDir {
+				hdr.Mode = 0o755 // only root may enter a directory without x
+			}
 		}
 		if err := tw.WriteHeader(hdr); err != nil {
 			t.Fatal(err)

@@ -1,8 +1,11 @@
 // Package netnstest gives tests a throwaway network namespace, so they can run the
-// real iptables and conntrack without touching the host's.
+// real iptables and conntrack without touching the host's, and decides which
+// tests may use root and the kernel at all: none under -short (the fast inner
+// loop, `go tool task unit-fast`, which any user can run in seconds).
 package netnstest
 
 import (
+	"flag"
 	"fmt"
 	"os"
 	"runtime"
@@ -21,10 +24,14 @@ type Namespace struct{ handle netns.NsHandle }
 func Unavailable(tb testing.TB, reason string) {
 	tb.Helper()
 	if inCI() {
-		tb.Fatalf("%s: CI=true, so this test must run; fix the CI set-up", reason)
+		tb.Fatalf("%s", ciFailure(reason))
 		return
 	}
 	tb.Skip(reason + " (set CI=true to make this a failure)")
+}
+
+func ciFailure(reason string) string {
+	return reason + ": CI=true, so this test must run; fix the CI set-up"
 }
 
 // inCI says whether the CI environment variable is true.
@@ -33,16 +40,54 @@ func inCI() bool {
 	return err == nil && ci
 }
 
-// RequireRoot ends the test through Unavailable unless it runs as root.
+// RequireRoot ends a test that needs root and the kernel (namespaces,
+// netfilter, conntrack, containerd) where it cannot have them: under -short
+// with a skip, without root as Unavailable says.
 func RequireRoot(tb testing.TB) {
 	tb.Helper()
-	if os.Geteuid() != 0 {
-		Unavailable(tb, "needs root for a network namespace")
+	switch reason, short := unmet(); {
+	case reason == "":
+	case short:
+		tb.Skip(reason)
+	default:
+		Unavailable(tb, reason)
 	}
 }
 
-// New makes a namespace; without root or namespaces, the test ends as Unavailable
-// says (a skip, or a failure in CI).
+// MainUnavailable is RequireRoot for a TestMain whose every test needs root
+// and the kernel. It returns false when they can run; otherwise it has printed
+// why none runs, and code is the exit status: 1 when CI=true and root is
+// missing, else 0 (all skipped).
+func MainUnavailable() (code int, unavailable bool) {
+	if !flag.Parsed() {
+		flag.Parse() // testing.Short reads the flags
+	}
+	reason, short := unmet()
+	switch {
+	case reason == "":
+		return 0, false
+	case short || !inCI():
+		fmt.Println("skipping every test:", reason)
+		return 0, true
+	}
+	fmt.Println(ciFailure(reason))
+	return 1, true
+}
+
+// unmet says why tests that need root and the kernel cannot run here, and
+// whether that is -short's choice; "" when they can run.
+func unmet() (reason string, short bool) {
+	switch {
+	case testing.Short():
+		return "needs root and the kernel, which -short leaves out", true
+	case os.Geteuid() != 0:
+		return "needs root for network namespaces and the kernel's netfilter", false
+	}
+	return "", false
+}
+
+// New makes a namespace; under -short, without root or namespaces, the test
+// ends as RequireRoot says (a skip, or a failure in CI).
 func New(tb testing.TB) *Namespace {
 	tb.Helper()
 	RequireRoot(tb)

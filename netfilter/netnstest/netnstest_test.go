@@ -1,7 +1,11 @@
 package netnstest
 
 import (
+	"flag"
 	"fmt"
+	"os"
+	"strconv"
+	"strings"
 	"testing"
 )
 
@@ -34,5 +38,47 @@ func TestUnavailableFailsInCIAndSkipsElsewhere(t *testing.T) {
 				t.Error("no reason given")
 			}
 		})
+	}
+}
+
+// setShort sets -short for the rest of the test.
+func setShort(t *testing.T, short bool) {
+	was := flag.Lookup("test.short").Value.String()
+	if err := flag.Set("test.short", strconv.FormatBool(short)); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { flag.Set("test.short", was) })
+}
+
+// Under -short nothing that needs root and the kernel runs, root or not, and
+// that is a skip even in CI: the fast loop leaves them out by choice.
+func TestShortSkipsWhatNeedsRootEvenInCI(t *testing.T) {
+	setShort(t, true)
+	t.Setenv("CI", "true")
+	r := &recordingTB{TB: t}
+	RequireRoot(r)
+	if !r.skipped || r.failed || !strings.Contains(r.msg, "-short") {
+		t.Errorf("skipped %v, failed %v, %q; want a skip naming -short", r.skipped, r.failed, r.msg)
+	}
+	if code, unavailable := MainUnavailable(); !unavailable || code != 0 {
+		t.Errorf("MainUnavailable() = %d, %v; want 0, true", code, unavailable)
+	}
+}
+
+// Without -short, root runs them; anyone else skips them, or fails in CI.
+func TestWithoutShortRootDecides(t *testing.T) {
+	setShort(t, false)
+	t.Setenv("CI", "true")
+	r := &recordingTB{TB: t}
+	RequireRoot(r)
+	code, unavailable := MainUnavailable()
+	if os.Geteuid() == 0 {
+		if r.skipped || r.failed || unavailable || code != 0 {
+			t.Errorf("as root: skipped %v, failed %v (%q), MainUnavailable() = %d, %v; want the tests run", r.skipped, r.failed, r.msg, code, unavailable)
+		}
+		return
+	}
+	if !r.failed || !strings.Contains(r.msg, "needs root") || !unavailable || code != 1 {
+		t.Errorf("not root, CI=true: failed %v (%q), MainUnavailable() = %d, %v; want failures naming root", r.failed, r.msg, code, unavailable)
 	}
 }
