@@ -41,7 +41,10 @@ ARG VERSION=v0.0.0-dev
 ARG GIT_COMMIT=unknown
 ARG GIT_TREE_STATE=unknown
 ARG BUILD_DATE=unknown
-# GOWORK=off: the workspace's other module (tools/) is not needed for kpipe.
+# GOWORK=off: go.mod alone (go.work and tools/, go-task's module, are not in
+# the context). CI builds through go.work; go.mod requires the versions the
+# workspace selects, so both build the same modules (cmd/kpipe's
+# TestWorkspaceBuildsTheImagesVersions fails when they differ).
 RUN CGO_ENABLED=0 GOWORK=off go build -trimpath \
       -ldflags "-X main.gitVersion=${VERSION} -X main.gitCommit=${GIT_COMMIT} -X main.gitTreeState=${GIT_TREE_STATE} -X main.buildDate=${BUILD_DATE}" \
       -o /out/kpipe ./cmd/kpipe \
