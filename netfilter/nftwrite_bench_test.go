@@ -12,6 +12,7 @@ import (
 	nf "github.com/kpipe/kpipe/netfilter"
 	"github.com/kpipe/kpipe/netfilter/writertest"
 	"github.com/kpipe/kpipe/stages/render"
+	"github.com/kpipe/kpipe/stages/render/rendertest"
 )
 
 // BenchmarkNetlinkFullSync writes the full plan of n synthetic services × 10
@@ -75,7 +76,7 @@ func BenchmarkNetlinkTranslate(b *testing.B) {
 func syntheticPlan(n int) (*bus.Plan, []byte) {
 	cfg := render.Config{Family: bus.IPv4, NodeName: "bench-node", MasqueradeBit: 14, DetectLocal: render.DetectClusterCIDR,
 		ClusterCIDRs: []netip.Prefix{netip.MustParsePrefix("10.244.0.0/16")}}
-	plan := render.Render(cfg, &bus.Snapshot{State: render.SyntheticState(n, 10), Full: true})
+	plan := render.Render(cfg, &bus.Snapshot{State: rendertest.SyntheticState(n, 10), Full: true})
 	var payload bytes.Buffer
 	for _, tp := range plan.Tables {
 		payload.Write(nf.Assemble(tp.Table, tp.Chains, nil))

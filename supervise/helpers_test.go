@@ -9,6 +9,8 @@ import (
 	"sync"
 	"testing"
 	"time"
+
+	"github.com/kpipe/kpipe/bus/bustest"
 )
 
 // hang bounds every wait so that a bug fails a test instead of hanging the suite.
@@ -151,18 +153,6 @@ func runTree(t *testing.T, s *Supervisor) (stop func() error, done <-chan struct
 	return stop, ch
 }
 
-// eventually polls cond until it holds or the hang timeout passes.
-func eventually(t *testing.T, what string, cond func() bool) {
-	t.Helper()
-	deadline := time.Now().Add(hang)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("timed out waiting for %s", what)
-		}
-		time.Sleep(time.Millisecond)
-	}
-}
-
 func statusOf(t *testing.T, s *Supervisor, name string) Status {
 	t.Helper()
 	for _, st := range s.Status() {
@@ -187,8 +177,8 @@ func running(s *Supervisor) bool {
 // restarted waits until stage has been restarted n times and is running again.
 func restarted(t *testing.T, s *Supervisor, stage string, n int) {
 	t.Helper()
-	eventually(t, fmt.Sprintf("%s restarted %d times and running", stage, n), func() bool {
+	bustest.Eventually(t, func() bool {
 		st := statusOf(t, s, stage)
 		return st.Restarts >= n && st.State == stateRunning
-	})
+	}, "%s restarted %d times and running", stage, n)
 }

@@ -7,6 +7,8 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/kpipe/kpipe/bus/bustest"
 )
 
 func serve(h http.Handler, method, path string) *httptest.ResponseRecorder {
@@ -21,7 +23,7 @@ func TestHandlerListsStages(t *testing.T) {
 		Leaf("health", block),
 	)
 	runTree(t, s)
-	eventually(t, "all running", func() bool { return running(s) })
+	bustest.Eventually(t, func() bool { return running(s) }, "all running")
 
 	w := serve(Handler(s), http.MethodGet, "/debug/stages")
 	if w.Code != http.StatusOK || w.Header().Get("Content-Type") != "application/json" {
@@ -45,7 +47,7 @@ func TestHandlerKill(t *testing.T) {
 	o.Backoff = Backoff{Initial: time.Hour, Max: 2 * time.Hour} // stays in backoff once killed
 	s := Tree("kpipe", o, Leaf("render", block), Leaf("health", block))
 	runTree(t, s)
-	eventually(t, "all running", func() bool { return running(s) })
+	bustest.Eventually(t, func() bool { return running(s) }, "all running")
 	h := Handler(s)
 
 	w := serve(h, http.MethodPost, "/debug/stages/render/kill")
@@ -56,7 +58,7 @@ func TestHandlerKill(t *testing.T) {
 	if err := json.Unmarshal(w.Body.Bytes(), &body); err != nil || body["killed"] != "render" {
 		t.Errorf("kill render body = %s (%v), want {\"killed\":\"render\"}", w.Body, err)
 	}
-	eventually(t, "render in backoff", func() bool { return statusOf(t, s, "render").State == stateBackoff })
+	bustest.Eventually(t, func() bool { return statusOf(t, s, "render").State == stateBackoff }, "render in backoff")
 	if st := statusOf(t, s, "render"); st.LastError != "killed" {
 		t.Errorf("render LastError = %q, want killed", st.LastError)
 	}

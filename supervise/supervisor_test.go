@@ -13,6 +13,8 @@ import (
 	"sync/atomic"
 	"testing"
 	"time"
+
+	"github.com/kpipe/kpipe/bus/bustest"
 )
 
 func TestLeafRunsWithPprofLabel(t *testing.T) {
@@ -128,7 +130,7 @@ func TestStopIsNotAFailure(t *testing.T) {
 		}),
 	)
 	stop, _ := runTree(t, s)
-	eventually(t, "all running", func() bool { return running(s) })
+	bustest.Eventually(t, func() bool { return running(s) }, "all running")
 	if err := stop(); err != nil {
 		t.Fatalf("Run = %v, want nil", err)
 	}
@@ -156,7 +158,7 @@ func TestKill(t *testing.T) {
 		})),
 	)
 	runTree(t, s)
-	eventually(t, "all running", func() bool { return running(s) })
+	bustest.Eventually(t, func() bool { return running(s) }, "all running")
 
 	if err := s.Kill("render"); err != nil {
 		t.Fatalf("Kill(render) = %v", err)
@@ -192,11 +194,11 @@ func TestKillStageNotRunning(t *testing.T) {
 		t.Errorf("Kill before Run = %v, want not running", err)
 	}
 	runTree(t, s)
-	eventually(t, "running", func() bool { return running(s) })
+	bustest.Eventually(t, func() bool { return running(s) }, "running")
 	if err := s.Kill("render"); err != nil {
 		t.Fatal(err)
 	}
-	eventually(t, "backoff", func() bool { return statusOf(t, s, "render").State == stateBackoff })
+	bustest.Eventually(t, func() bool { return statusOf(t, s, "render").State == stateBackoff }, "backoff")
 	if err := s.Kill("render"); !errors.Is(err, errNotRunning) {
 		t.Errorf("Kill during backoff = %v, want not running", err)
 	}
@@ -207,7 +209,7 @@ func TestOneForOneRestartsOnlyTheFailedChild(t *testing.T) {
 	s := Tree("kpipe", rec.opts(OneForOne),
 		Leaf("a", block), Leaf("b", block), Leaf("c", block))
 	stop, _ := runTree(t, s)
-	eventually(t, "all running", func() bool { return running(s) })
+	bustest.Eventually(t, func() bool { return running(s) }, "all running")
 	if err := s.Kill("b"); err != nil {
 		t.Fatal(err)
 	}
@@ -236,7 +238,7 @@ func TestRestForOneOrder(t *testing.T) {
 	s := Tree("kpipe", rec.opts(RestForOne),
 		blocker("a", exits), blocker("b", exits), blocker("c", exits), blocker("d", exits))
 	stop, _ := runTree(t, s)
-	eventually(t, "all running", func() bool { return running(s) })
+	bustest.Eventually(t, func() bool { return running(s) }, "all running")
 	if err := s.Kill("b"); err != nil {
 		t.Fatal(err)
 	}
@@ -281,7 +283,7 @@ func TestOnRestartOncePerLeafRestart(t *testing.T) {
 	}
 	s := Tree("kpipe", o, Leaf("a", block), Leaf("b", block), Leaf("c", block))
 	runTree(t, s)
-	eventually(t, "all running", func() bool { return running(s) })
+	bustest.Eventually(t, func() bool { return running(s) }, "all running")
 	if err := s.Kill("b"); err != nil {
 		t.Fatal(err)
 	}
@@ -315,7 +317,7 @@ func TestStopInReverseOrderAndWait(t *testing.T) {
 		slow("e"),
 	)
 	stop, _ := runTree(t, s)
-	eventually(t, "all running", func() bool { return running(s) })
+	bustest.Eventually(t, func() bool { return running(s) }, "all running")
 	if err := stop(); err != nil {
 		t.Fatal(err)
 	}
@@ -435,7 +437,7 @@ func TestParentRestartsEscalatedSubtreePerItsStrategy(t *testing.T) {
 		Leaf("after", block),
 	)
 	stop, _ := runTree(t, s)
-	eventually(t, "all running", func() bool { return running(s) })
+	bustest.Eventually(t, func() bool { return running(s) }, "all running")
 	if err := s.Kill("render"); err != nil {
 		t.Fatal(err)
 	}
@@ -444,7 +446,7 @@ func TestParentRestartsEscalatedSubtreePerItsStrategy(t *testing.T) {
 		t.Fatal(err)
 	}
 	restarted(t, s, "after", 1)
-	eventually(t, "all running", func() bool { return running(s) })
+	bustest.Eventually(t, func() bool { return running(s) }, "all running")
 	if err := stop(); err != nil {
 		t.Fatalf("Run = %v, want nil: kpipe's budget was not exhausted", err)
 	}
@@ -486,11 +488,11 @@ func TestNoGoroutineLeak(t *testing.T) {
 		),
 	)
 	stop, _ := runTree(t, s)
-	eventually(t, "200 restarts", func() bool { return restarts.Load() >= 200 })
+	bustest.Eventually(t, func() bool { return restarts.Load() >= 200 }, "200 restarts")
 	if err := stop(); err != nil {
 		t.Fatal(err)
 	}
-	eventually(t, "goroutines to settle", func() bool { return runtime.NumGoroutine() <= base })
+	bustest.Eventually(t, func() bool { return runtime.NumGoroutine() <= base }, "goroutines to settle")
 }
 
 func TestStatusConcurrentWithRestarts(t *testing.T) {
@@ -530,7 +532,7 @@ func TestStatusConcurrentWithRestarts(t *testing.T) {
 			}
 		})
 	}
-	eventually(t, "50 restarts", func() bool { return restarts.Load() >= 50 })
+	bustest.Eventually(t, func() bool { return restarts.Load() >= 50 }, "50 restarts")
 	close(quit)
 	wg.Wait()
 	if err := stop(); err != nil {
@@ -557,7 +559,7 @@ func TestStatus(t *testing.T) {
 	}
 	before := time.Now()
 	runTree(t, s)
-	eventually(t, "all running", func() bool { return running(s) })
+	bustest.Eventually(t, func() bool { return running(s) }, "all running")
 	for _, st := range s.Status() {
 		if st.LastStart.Before(before) {
 			t.Errorf("%s: LastStart %v is before Run", st.Name, st.LastStart)
@@ -568,7 +570,7 @@ func TestStatus(t *testing.T) {
 func TestRunTwiceAtOnce(t *testing.T) {
 	s := Tree("kpipe", fast(OneForOne), Leaf("render", block))
 	runTree(t, s)
-	eventually(t, "running", func() bool { return running(s) })
+	bustest.Eventually(t, func() bool { return running(s) }, "running")
 	if err := s.Run(context.Background()); err == nil {
 		t.Error("second concurrent Run = nil, want an error")
 	}
@@ -648,7 +650,7 @@ func TestEventFields(t *testing.T) {
 	)
 	before := time.Now()
 	stop, _ := runTree(t, s)
-	eventually(t, "all running", func() bool { return running(s) })
+	bustest.Eventually(t, func() bool { return running(s) }, "all running")
 	if err := s.Kill("render"); err != nil {
 		t.Fatal(err)
 	}

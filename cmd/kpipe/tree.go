@@ -158,7 +158,7 @@ func buildTree(o *Options, d deps) *supervise.Supervisor {
 	if o.EnableDebugHandlers {
 		stagesHandler = http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) { supervise.Handler(root).ServeHTTP(w, r) })
 	}
-	r.health = health.New(health.Params{Config: health.Config{
+	r.health = health.NewStage(health.Params{Config: health.Config{
 		HealthzAddr: o.HealthzBindAddress, MetricsAddr: o.MetricsBindAddress, BindHardFail: o.BindAddressHardFail,
 		Profiling: o.EnableProfiling, DebugAddr: o.debugAddr(),
 		SyncPeriod: o.SyncPeriod, NodeName: o.HostnameOverride, Families: d.families(), Configz: o.configz(), SideStages: r.sideStages(),

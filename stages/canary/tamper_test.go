@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/kpipe/kpipe/bus"
+	"github.com/kpipe/kpipe/bus/bustest"
 	nf "github.com/kpipe/kpipe/netfilter"
 )
 
@@ -125,17 +126,6 @@ func tamperStage(t *testing.T, sub *fakeChanges, interval time.Duration) (*fakeC
 	return fake, repairs, resync, done
 }
 
-func takeRepair(t *testing.T, repairs *bus.Mailbox[bus.Repair]) bus.Repair {
-	t.Helper()
-	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
-	defer cancel()
-	r, err := repairs.Take(ctx)
-	if err != nil {
-		t.Fatal("no repair asked for")
-	}
-	return r
-}
-
 // Changes that come close together make one repair request, sent within the
 // debounce; a canary flushed is put back and commit rewrites everything (no
 // resync through coalesce); lost changes ask for the jumps to be checked, and for
@@ -147,7 +137,7 @@ func TestChangesBecomeOneRepair(t *testing.T) {
 	start := time.Now()
 	sub.c <- []nf.Change{{Kind: nf.RuleDeleted, Table: "nat", Chain: "PREROUTING"}, {Kind: nf.RuleDeleted, Table: "nat", Chain: nf.ChainCanary}}
 	sub.c <- []nf.Change{{Kind: nf.ChainDeleted, Table: "nat", Chain: svc}}
-	r := takeRepair(t, repairs)
+	r := bustest.Take(t, repairs, "repair asked for")
 	if took := time.Since(start); took > patience+200*time.Millisecond {
 		t.Errorf("the repair was asked for %v after the change", took)
 	}
@@ -166,12 +156,12 @@ func TestChangesBecomeOneRepair(t *testing.T) {
 	}
 
 	sub.errs <- nf.ErrLost
-	if r := takeRepair(t, repairs); r.Lost || !r.Jumps["nat"] || !r.Jumps["filter"] {
+	if r := bustest.Take(t, repairs, "repair asked for"); r.Lost || !r.Jumps["nat"] || !r.Jumps["filter"] {
 		t.Errorf("lost changes with the canaries in place asked for %+v; want the jumps checked, not everything", r)
 	}
 	fake.set(false, nil)
 	sub.errs <- nf.ErrLost
-	if r := takeRepair(t, repairs); !r.Lost {
+	if r := bustest.Take(t, repairs, "repair asked for"); !r.Lost {
 		t.Errorf("lost changes with a canary gone asked for %+v; want everything", r)
 	}
 	broken := errors.New("netlink: broken")

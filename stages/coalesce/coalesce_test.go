@@ -13,6 +13,7 @@ import (
 	dto "github.com/prometheus/client_model/go"
 
 	"github.com/kpipe/kpipe/bus"
+	"github.com/kpipe/kpipe/bus/bustest"
 	"github.com/kpipe/kpipe/metrics"
 	"github.com/kpipe/kpipe/stages/coalesce"
 )
@@ -136,18 +137,6 @@ func (h *harness) committedThenPartial() *bus.Snapshot {
 		h.t.Fatal("second snapshot is Full; the test needs a partial one")
 	}
 	return s2
-}
-
-// eventually polls cond until it holds.
-func eventually(t *testing.T, what string, cond func() bool) {
-	t.Helper()
-	deadline := time.Now().Add(within)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("never: %s", what)
-		}
-		time.Sleep(5 * time.Millisecond)
-	}
 }
 
 var (
@@ -469,14 +458,14 @@ func TestBoardPendingSince(t *testing.T) {
 	h.send(replayOf())
 	s1 := h.take(bus.IPv4)
 	h.answer(bus.IPv4, s1, true)
-	eventually(t, "PendingSince zero after the first OK commit", func() bool {
+	bustest.Eventually(t, func() bool {
 		_, ok := h.board.Read()["coalesce-ipv4"]
 		return ok && pending().IsZero()
-	})
+	}, "PendingSince zero after the first OK commit")
 
 	before := time.Now()
 	h.send(bus.Change{Kind: bus.ServiceChanged, Key: keyA, Service: svc(keyA, "10.96.0.1")})
-	eventually(t, "PendingSince set for an uncommitted change", func() bool { return !pending().IsZero() })
+	bustest.Eventually(t, func() bool { return !pending().IsZero() }, "PendingSince set for an uncommitted change")
 	since := pending()
 	if since.Before(before) {
 		t.Errorf("PendingSince %v is before the change was sent (%v)", since, before)
@@ -489,16 +478,16 @@ func TestBoardPendingSince(t *testing.T) {
 	}
 	h.answer(bus.IPv4, s2, true)
 	// a is committed; b is not (it came after s2 was sent).
-	eventually(t, "PendingSince moves to the change s2 did not carry", func() bool {
+	bustest.Eventually(t, func() bool {
 		p := pending()
 		return !p.IsZero() && p.After(since)
-	})
+	}, "PendingSince moves to the change s2 did not carry")
 	s3 := h.take(bus.IPv4)
 	if !s3.Changed[keyB] || s3.Changed[keyA] {
 		t.Errorf("Changed = %v; want only b", s3.Changed)
 	}
 	h.answer(bus.IPv4, s3, true)
-	eventually(t, "PendingSince zero once everything is committed", func() bool { return pending().IsZero() })
+	bustest.Eventually(t, func() bool { return pending().IsZero() }, "PendingSince zero once everything is committed")
 
 	// A failed commit leaves the change pending.
 	h.send(bus.Change{Kind: bus.ServiceChanged, Key: keyC, Service: svc(keyC, "10.96.0.10")})
@@ -524,7 +513,7 @@ func TestBoardPendingSinceCoversReplayUntilFirstCommit(t *testing.T) {
 		t.Error("PendingSince is zero after the first commit failed")
 	}
 	h.answer(bus.IPv4, s2, true)
-	eventually(t, "PendingSince zero after the first OK commit", func() bool { return pending().IsZero() })
+	bustest.Eventually(t, func() bool { return pending().IsZero() }, "PendingSince zero after the first OK commit")
 }
 
 func TestFamiliesAreIndependent(t *testing.T) {
@@ -616,7 +605,7 @@ func TestNetworkProgrammingLatency(t *testing.T) {
 		t.Fatalf("latency observed before the commit: %d samples", n)
 	}
 	h.answer(bus.IPv4, snap, true)
-	eventually(t, "one latency sample", func() bool { n, _ := programming(h.reg); return n == 1 })
+	bustest.Eventually(t, func() bool { n, _ := programming(h.reg); return n == 1 }, "one latency sample")
 	if _, sum := programming(h.reg); sum < 0.03 || sum > 3600 {
 		t.Errorf("latency %.3fs; want the time from the trigger (≥ 30 ms) to the commit, not the hour-old one", sum)
 	}
@@ -636,7 +625,7 @@ func TestNetworkProgrammingLatencyOfFoldedChanges(t *testing.T) {
 	sl.TriggerTime = time.Now()
 	h.send(bus.Change{Kind: bus.SliceChanged, Key: keyA, SliceName: sl.Name, Slice: sl, EarlierTrigger: earlier})
 	h.answer(bus.IPv4, h.take(bus.IPv4), true)
-	eventually(t, "two latency samples", func() bool { n, _ := programming(h.reg); return n == 2 })
+	bustest.Eventually(t, func() bool { n, _ := programming(h.reg); return n == 2 }, "two latency samples")
 	if _, sum := programming(h.reg); sum < 0.05 {
 		t.Errorf("latency samples add up to %.3fs; want the earlier trigger's (≥ 50 ms) among them", sum)
 	}
@@ -663,7 +652,7 @@ func TestNetworkProgrammingLatencyIsBounded(t *testing.T) {
 	}
 	h.answer(bus.IPv4, inFlight, true)
 	h.answer(bus.IPv4, h.take(bus.IPv4), true)
-	eventually(t, "latency samples", func() bool { n, _ := programming(h.reg); return n > 0 })
+	bustest.Eventually(t, func() bool { n, _ := programming(h.reg); return n > 0 }, "latency samples")
 	time.Sleep(quiet)
 	n, sum := programming(h.reg)
 	if n > 16 {
@@ -720,11 +709,11 @@ func TestNetworkProgrammingLatencyPerFamily(t *testing.T) {
 		h.send(bus.Change{Kind: bus.SliceChanged, Key: keyA, SliceName: sl.Name, Slice: sl})
 		h.answer(family, h.take(family), true) // a slice is only its family's change
 	}
-	eventually(t, "one latency sample per family", func() bool {
+	bustest.Eventually(t, func() bool {
 		n4, _ := programmingOf(h.reg, "IPv4")
 		n6, _ := programmingOf(h.reg, "IPv6")
 		return n4 >= 1 && n6 >= 1
-	})
+	}, "one latency sample per family")
 	for deadline := time.Now().Add(quiet); time.Now().Before(deadline); time.Sleep(25 * time.Millisecond) {
 		n4, _ := programmingOf(h.reg, "IPv4")
 		n6, _ := programmingOf(h.reg, "IPv6")

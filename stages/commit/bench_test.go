@@ -14,6 +14,7 @@ import (
 	"github.com/kpipe/kpipe/netfilter/netnstest"
 	"github.com/kpipe/kpipe/netfilter/writertest"
 	"github.com/kpipe/kpipe/stages/render"
+	"github.com/kpipe/kpipe/stages/render/rendertest"
 )
 
 // BenchmarkCommit measures what a sync costs in the kernel on this host, as the
@@ -25,7 +26,7 @@ func BenchmarkCommit(b *testing.B) {
 	netnstest.RequireRoot(b)
 	cfg := render.Config{Family: bus.IPv4, NodeName: "bench-node", MasqueradeBit: 14, DetectLocal: render.DetectClusterCIDR}
 	for _, n := range []int{1000, 10000} {
-		st := render.SyntheticState(n, 10)
+		st := rendertest.SyntheticState(n, 10)
 		fullPlan := render.Render(cfg, &bus.Snapshot{State: st, Full: true})
 		same := render.Render(cfg, &bus.Snapshot{State: st})
 		partial := render.Render(cfg, &bus.Snapshot{State: withOneChange(st)})
@@ -89,7 +90,7 @@ func BenchmarkCommit(b *testing.B) {
 func BenchmarkCommitKubeProxyLayout(b *testing.B) {
 	netnstest.RequireRoot(b)
 	cfg := render.Config{Family: bus.IPv4, NodeName: "bench-node", MasqueradeBit: 14, DetectLocal: render.DetectClusterCIDR}
-	st := render.SyntheticState(1000, 10)
+	st := rendertest.SyntheticState(1000, 10)
 	for _, sl := range st.Slices {
 		for _, s := range sl {
 			for i := range s.Items {
@@ -125,11 +126,11 @@ func withOneChange(st bus.State) bus.State {
 }
 
 // withNewService adds one service with 10 endpoints to st (made by
-// render.SyntheticState with 10 endpoints a service) at the next random ClusterIP,
+// rendertest.SyntheticState with 10 endpoints a service) at the next random ClusterIP,
 // as the apiserver allocates one.
 func withNewService(st bus.State) bus.State {
 	n := len(st.Services)
-	next := render.SyntheticState(n+1, 10)
+	next := rendertest.SyntheticState(n+1, 10)
 	key := bus.ServiceKey{Namespace: fmt.Sprintf("ns%d", n%100), Name: fmt.Sprintf("svc%d", n)}
 	out := st
 	out.Services, out.Slices = maps.Clone(st.Services), maps.Clone(st.Slices)

@@ -16,6 +16,7 @@ import (
 	nf "github.com/kpipe/kpipe/netfilter"
 	"github.com/kpipe/kpipe/netfilter/netnstest"
 	"github.com/kpipe/kpipe/stages/render"
+	"github.com/kpipe/kpipe/stages/render/rendertest"
 )
 
 func ap(s string) netip.AddrPort { return netip.MustParseAddrPort(s) }
@@ -157,7 +158,7 @@ func jumpTargets(rules string) []string {
 // with a NodePort, source ranges on a load balancer, a Local policy and endpoints
 // on this node, so every kind of per-service chain is there.
 func largeState(n int) bus.State {
-	st := render.SyntheticState(n, 2)
+	st := rendertest.SyntheticState(n, 2)
 	st.Node = &bus.Node{Name: "node-a", Addrs: []netip.Addr{netip.MustParseAddr("192.168.0.1")}}
 	i := 0
 	for _, s := range st.Services {
@@ -266,7 +267,7 @@ func TestPeriodicRepairsDrift(t *testing.T) {
 		netnstest.Unavailable(t, "iptables-restore not installed (go tool task setup)")
 	}
 	cfg := render.Config{Family: bus.IPv4, NodeName: "n", MasqueradeBit: 14, DetectLocal: render.DetectClusterCIDR}
-	st := render.SyntheticState(3, 2)
+	st := rendertest.SyntheticState(3, 2)
 	fullPlan := render.Render(cfg, &bus.Snapshot{State: st, Full: true})
 	periodic := render.Render(cfg, &bus.Snapshot{State: st, Refresh: true})
 	netnstest.New(t).Run(t, func() error {

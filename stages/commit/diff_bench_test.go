@@ -7,6 +7,7 @@ import (
 	"github.com/kpipe/kpipe/bus"
 	nf "github.com/kpipe/kpipe/netfilter"
 	"github.com/kpipe/kpipe/stages/render"
+	"github.com/kpipe/kpipe/stages/render/rendertest"
 )
 
 // BenchmarkWorkOutChanges is what commit spends, besides the kernel, to find
@@ -14,7 +15,7 @@ import (
 // the plan with its ledger, ordering and assembling the write (the kernel does
 // nothing here).
 func BenchmarkWorkOutChanges(b *testing.B) {
-	st := render.SyntheticState(10000, 10)
+	st := rendertest.SyntheticState(10000, 10)
 	// From one renderer, as the render stage makes them: each plan names the
 	// chains the one before had and it does not (an endpoint's chain).
 	rr := render.NewRenderer(fakeConfig)

@@ -10,6 +10,7 @@ import (
 	nf "github.com/kpipe/kpipe/netfilter"
 	"github.com/kpipe/kpipe/stages/commit/fakekernel"
 	"github.com/kpipe/kpipe/stages/render"
+	"github.com/kpipe/kpipe/stages/render/rendertest"
 )
 
 // TestDroppedHintDeletesOnlyWhatThePlanDropped: plans from one renderer name
@@ -18,7 +19,7 @@ import (
 // a chain the plan has) changes nothing: the kernel ends up as a fresh kpipe
 // writes the state every time.
 func TestDroppedHintDeletesOnlyWhatThePlanDropped(t *testing.T) {
-	full := render.SyntheticState(6, 2)
+	full := rendertest.SyntheticState(6, 2)
 	fewer := full
 	fewer.Services = maps.Clone(full.Services)
 	delete(fewer.Services, bus.ServiceKey{Namespace: "ns1", Name: "svc1"})

@@ -11,6 +11,7 @@ import (
 	"testing"
 
 	"github.com/kpipe/kpipe/bus"
+	"github.com/kpipe/kpipe/bus/bustest"
 	nf "github.com/kpipe/kpipe/netfilter"
 	"github.com/kpipe/kpipe/netfilter/netnstest"
 	"github.com/kpipe/kpipe/stages/commit/fakekernel"
@@ -139,7 +140,7 @@ func TestFailedCommitsAreCountedAndRecover(t *testing.T) {
 	before := largeState(40)
 	after, _ := gapScenario(before)
 	s.p.In.Put(planOf(before, 1, true))
-	if r := take(t, s.p.Results, "result"); !r.OK {
+	if r := bustest.Take(t, s.p.Results, "result"); !r.OK {
 		t.Fatalf("first commit: %+v", r)
 	}
 	good := k.Dump()
@@ -153,7 +154,7 @@ func TestFailedCommitsAreCountedAndRecover(t *testing.T) {
 	k.Mu.Unlock()
 	for gen := uint64(2); gen <= 4; gen++ {
 		s.p.In.Put(planOf(after, gen, gen == 4)) // coalesce retries a failure as a full sync
-		r := take(t, s.p.Results, "result")
+		r := bustest.Take(t, s.p.Results, "result")
 		if r.OK || r.Generation != gen || !errors.Is(r.Err, errRejected) {
 			t.Fatalf("generation %d: result %+v; want a failure carrying the rejection", gen, r)
 		}
@@ -178,7 +179,7 @@ func TestFailedCommitsAreCountedAndRecover(t *testing.T) {
 	k.BeforeCommit = nil
 	k.Mu.Unlock()
 	s.p.In.Put(planOf(after, 5, true))
-	if r := take(t, s.p.Results, "result"); !r.OK || r.Generation != 5 {
+	if r := bustest.Take(t, s.p.Results, "result"); !r.OK || r.Generation != 5 {
 		t.Fatalf("after the fault went away: %+v; want OK", r)
 	}
 	requireFresh(t, k, after, "after the fault went away")

@@ -7,9 +7,10 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	dto "github.com/prometheus/client_model/go"
 
+	"github.com/kpipe/kpipe/bus/bustest"
 	nf "github.com/kpipe/kpipe/netfilter"
 	"github.com/kpipe/kpipe/stages/commit/fakekernel"
-	"github.com/kpipe/kpipe/stages/render"
+	"github.com/kpipe/kpipe/stages/render/rendertest"
 )
 
 func value(t *testing.T, c prometheus.Metric) float64 {
@@ -52,10 +53,10 @@ func TestSyncMetricsPerFamily(t *testing.T) {
 	m := s.metrics
 	stop := runStage(t, s)
 	defer stop()
-	base := render.SyntheticState(20, 2)
+	base := rendertest.SyntheticState(20, 2)
 
 	s.p.In.Put(planOf(base, 1, true))
-	take(t, s.p.Results, "result")
+	bustest.Take(t, s.p.Results, "result")
 	if n := observations(t, m.SyncDuration, "IPv4"); n != 1 {
 		t.Errorf("sync duration IPv4 observations = %v; want 1", n)
 	}
@@ -71,7 +72,7 @@ func TestSyncMetricsPerFamily(t *testing.T) {
 	}
 
 	s.p.In.Put(planOf(with(base, nil, nil, "svc5"), 2, false))
-	take(t, s.p.Results, "result")
+	bustest.Take(t, s.p.Results, "result")
 	if last := value(t, m.RulesLast.WithLabelValues(nf.TableNAT, "IPv4")); last == 0 || last >= total {
 		t.Errorf("after a partial sync of one service, nat rules written = %v; want some, fewer than %v", last, total)
 	}
@@ -79,7 +80,7 @@ func TestSyncMetricsPerFamily(t *testing.T) {
 		t.Errorf("partial sync duration IPv4 observations = %v; want 1", n)
 	}
 	s.p.In.Put(planOf(with(base, nil, nil, "svc5"), 3, false))
-	take(t, s.p.Results, "result")
+	bustest.Take(t, s.p.Results, "result")
 	if last := value(t, m.RulesLast.WithLabelValues(nf.TableNAT, "IPv4")); last != 0 {
 		t.Errorf("after a sync that changed nothing, nat rules written = %v; want 0", last)
 	}
@@ -100,17 +101,17 @@ func TestRestoreFailureMetrics(t *testing.T) {
 	m := s.metrics
 	stop := runStage(t, s)
 	defer stop()
-	base := render.SyntheticState(5, 1)
+	base := rendertest.SyntheticState(5, 1)
 	s.p.In.Put(planOf(base, 1, true))
-	take(t, s.p.Results, "result")
+	bustest.Take(t, s.p.Results, "result")
 
 	k.BeforeRestore = func(int, string) error { return errors.New("injected: restore failed") }
 	s.p.In.Put(planOf(with(base, nil, []string{"svc2"}, ""), 2, false))
-	if r := take(t, s.p.Results, "result"); r.OK {
+	if r := bustest.Take(t, s.p.Results, "result"); r.OK {
 		t.Fatal("partial sync succeeded; want a failure")
 	}
 	s.p.In.Put(planOf(with(base, nil, []string{"svc2"}, ""), 3, true))
-	if r := take(t, s.p.Results, "result"); r.OK {
+	if r := bustest.Take(t, s.p.Results, "result"); r.OK {
 		t.Fatal("full sync succeeded; want a failure")
 	}
 	if v := value(t, m.RestoreFailures.WithLabelValues("IPv4")); v != 2 {

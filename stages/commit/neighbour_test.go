@@ -12,6 +12,7 @@ import (
 	"github.com/kpipe/kpipe/netfilter/netnstest"
 	"github.com/kpipe/kpipe/stages/commit/fakekernel"
 	"github.com/kpipe/kpipe/stages/render"
+	"github.com/kpipe/kpipe/stages/render/rendertest"
 )
 
 // busyOn makes k's Digests unable to read chain of table while another writer
@@ -28,7 +29,7 @@ func busyOn(k *fakekernel.Kernel, table, chain string) {
 func TestRefreshWhileTheRulesetKeepsChanging(t *testing.T) {
 	k := fakekernel.New()
 	s := testStage(k)
-	st := render.SyntheticState(20, 2)
+	st := rendertest.SyntheticState(20, 2)
 	if err := s.apply(context.Background(), planOf(st, 1, true)); err != nil {
 		t.Fatal(err)
 	}
@@ -48,7 +49,7 @@ func TestRefreshWhileTheRulesetKeepsChanging(t *testing.T) {
 // none of those it could compare with the kernel.
 func TestFullSyncWhileTheRulesetKeepsChanging(t *testing.T) {
 	k := fakekernel.New()
-	st := render.SyntheticState(20, 2)
+	st := rendertest.SyntheticState(20, 2)
 	if err := testStage(k).apply(context.Background(), planOf(st, 1, true)); err != nil {
 		t.Fatal(err)
 	}
@@ -110,7 +111,7 @@ func TestForeignChangeDuringAWriteIsRepaired(t *testing.T) {
 			if c.legacy {
 				kernel = &legacyKernel{Kernel: k}
 			}
-			st := render.SyntheticState(400, 2)
+			st := rendertest.SyntheticState(400, 2)
 			s := testStage(kernel)
 			c.change(k)
 			if err := s.apply(context.Background(), planOf(st, 1, true)); err != nil {

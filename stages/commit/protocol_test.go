@@ -16,9 +16,11 @@ import (
 	dto "github.com/prometheus/client_model/go"
 
 	"github.com/kpipe/kpipe/bus"
+	"github.com/kpipe/kpipe/bus/bustest"
 	nf "github.com/kpipe/kpipe/netfilter"
 	"github.com/kpipe/kpipe/stages/commit/fakekernel"
 	"github.com/kpipe/kpipe/stages/render"
+	"github.com/kpipe/kpipe/stages/render/rendertest"
 )
 
 var fakeConfig = render.Config{Family: bus.IPv4, NodeName: "node-a", MasqueradeBit: 14, DetectLocal: render.DetectClusterCIDR,
@@ -73,7 +75,7 @@ func lineDiff(want, got string) string {
 func with(st bus.State, add []int, remove []string, shrink string) bus.State {
 	out := st
 	out.Services, out.Slices = maps.Clone(st.Services), maps.Clone(st.Slices)
-	extra := render.SyntheticState(300, 2)
+	extra := rendertest.SyntheticState(300, 2)
 	for _, i := range add {
 		k := bus.ServiceKey{Namespace: fmt.Sprintf("ns%d", i%100), Name: fmt.Sprintf("svc%d", i)}
 		out.Services[k], out.Slices[k] = extra.Services[k], extra.Slices[k]
@@ -110,7 +112,7 @@ func with(st bus.State, add []int, remove []string, shrink string) bus.State {
 func TestRestartAfterALostWrite(t *testing.T) {
 	k := fakekernel.New()
 	ledger := NewLedger()
-	base := render.SyntheticState(20, 2)
+	base := rendertest.SyntheticState(20, 2)
 	first := testStage(k)
 	first.ledger = ledger
 	if err := first.apply(context.Background(), planOf(base, 1, true)); err != nil {
@@ -141,7 +143,7 @@ func TestRestartAfterALostWrite(t *testing.T) {
 func TestBatchCutShort(t *testing.T) {
 	k := fakekernel.New()
 	s := testStage(k)
-	base := render.SyntheticState(20, 2)
+	base := rendertest.SyntheticState(20, 2)
 	if err := s.apply(context.Background(), planOf(base, 1, true)); err != nil {
 		t.Fatal(err)
 	}
@@ -168,7 +170,7 @@ func TestBatchCutShort(t *testing.T) {
 func TestPartialSyncWritesOnlyWhatChanged(t *testing.T) {
 	k := fakekernel.New()
 	s := testStage(k)
-	base := render.SyntheticState(20, 2)
+	base := rendertest.SyntheticState(20, 2)
 	if err := s.apply(context.Background(), planOf(base, 1, true)); err != nil {
 		t.Fatal(err)
 	}
@@ -223,7 +225,7 @@ func regexpDeclared(payload string) []string {
 func TestRefreshRepairsChangedContent(t *testing.T) {
 	k := fakekernel.New()
 	s := testStage(k)
-	st := render.SyntheticState(20, 2)
+	st := rendertest.SyntheticState(20, 2)
 	if err := s.apply(context.Background(), planOf(st, 1, true)); err != nil {
 		t.Fatal(err)
 	}
@@ -262,7 +264,7 @@ func TestStaleChainsDeletedInBatchesAfterTheSwitch(t *testing.T) {
 			nat[svc] = append(nat[svc], "-A "+svc+" -j "+sep)
 		}
 	}
-	st := render.SyntheticState(20, 2)
+	st := rendertest.SyntheticState(20, 2)
 	deletes, topWritten := []int{}, -1
 	k.BeforeRestore = func(n int, payload string) error {
 		if strings.Contains(payload, ":"+nf.ChainServices+" ") {
@@ -468,7 +470,7 @@ func TestRouteLocalnetAfterTheFirewall(t *testing.T) {
 	cfg := fakeConfig
 	cfg.LocalhostNodePorts = true
 	k.BeforeRestore = func(int, string) error { return errors.New("injected: iptables broken") }
-	plan := render.Render(cfg, &bus.Snapshot{Generation: 1, State: render.SyntheticState(3, 1), Full: true})
+	plan := render.Render(cfg, &bus.Snapshot{Generation: 1, State: rendertest.SyntheticState(3, 1), Full: true})
 	if err := s.apply(context.Background(), plan); err == nil {
 		t.Fatal("injected failure did not fail the commit")
 	}
@@ -502,17 +504,6 @@ func runStage(t *testing.T, s *Stage) (stop func()) {
 	})
 }
 
-func take[T any](t *testing.T, m *bus.Mailbox[T], what string) T {
-	t.Helper()
-	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
-	defer cancel()
-	v, err := m.Take(ctx)
-	if err != nil {
-		t.Fatalf("no %s: %v", what, err)
-	}
-	return v
-}
-
 // TestRunProtocol: what commit sends after each plan. A failed restore answers
 // with the plan's generation and no health checks; a success answers OK, then
 // forwards the health checks; stale flows only when UDP front-ends changed; a
@@ -530,10 +521,10 @@ func TestRunProtocol(t *testing.T) {
 	case <-time.After(5 * time.Second):
 		t.Error("commit did not ask for a resend at start")
 	}
-	st := render.SyntheticState(5, 1)
+	st := rendertest.SyntheticState(5, 1)
 	k.BeforeRestore = func(int, string) error { return errors.New("injected: restore failed") }
 	s.p.In.Put(planOf(st, 7, true))
-	if r := take(t, out.Results, "result"); r.OK || r.Generation != 7 || r.Err == nil {
+	if r := bustest.Take(t, out.Results, "result"); r.OK || r.Generation != 7 || r.Err == nil {
 		t.Fatalf("result of a failed restore = %+v; want not OK, generation 7, an error", r)
 	}
 	if _, ok := out.HealthChecks.TryTake(); ok {
@@ -543,16 +534,16 @@ func TestRunProtocol(t *testing.T) {
 	// Not marked full, but nothing was ever committed: it is written, and
 	// answered, as a full sync.
 	s.p.In.Put(planOf(st, 8, false))
-	if r := take(t, out.Results, "result"); !r.OK || r.Generation != 8 || !r.Full {
+	if r := bustest.Take(t, out.Results, "result"); !r.OK || r.Generation != 8 || !r.Full {
 		t.Fatalf("result = %+v; want OK full generation 8", r)
 	}
-	take(t, out.HealthChecks, "health checks")
-	first := take(t, out.Flows, "stale flows")
+	bustest.Take(t, out.HealthChecks, "health checks")
+	first := bustest.Take(t, out.Flows, "stale flows")
 	if len(first.Now) != 5 {
 		t.Errorf("first commit's flows name %d UDP front-ends; want 5", len(first.Now))
 	}
 	s.p.In.Put(planOf(st, 9, false))
-	take(t, out.Results, "result")
+	bustest.Take(t, out.Results, "result")
 	if f, ok := out.Flows.TryTake(); ok {
 		t.Errorf("stale flows %+v after a commit that changed no UDP front-end", f)
 	}
@@ -563,8 +554,8 @@ func TestRunProtocol(t *testing.T) {
 	stop = runStage(t, s)
 	gone := with(st, nil, []string{"svc2"}, "")
 	s.p.In.Put(planOf(gone, 10, false))
-	take(t, out.Results, "result")
-	flows := take(t, out.Flows, "stale flows after the restart")
+	bustest.Take(t, out.Results, "result")
+	flows := bustest.Take(t, out.Flows, "stale flows after the restart")
 	if len(flows.Gone) != 1 {
 		t.Errorf("after a restart, a deleted UDP service's front-end is not gone: %+v", flows.Gone)
 	}
@@ -581,11 +572,11 @@ func TestRunReportsSyncStatus(t *testing.T) {
 	stop := runStage(t, s)
 	defer stop()
 	report := func() bus.Report { return board.Read()[bus.Commit.Of(bus.IPv4)] }
-	st := render.SyntheticState(3, 1)
+	st := rendertest.SyntheticState(3, 1)
 
 	before := time.Now()
 	s.p.In.Put(planOf(st, 4, false)) // the first commit of a process is a full one
-	take(t, s.p.Results, "result")
+	bustest.Take(t, s.p.Results, "result")
 	r := report()
 	if r.Generation != 4 || r.LastSync.Before(before) || !r.LastFullSync.Equal(r.LastSync) {
 		t.Fatalf("after a first commit: %+v; want generation 4, last sync = last full sync, after %v", r, before)
@@ -593,7 +584,7 @@ func TestRunReportsSyncStatus(t *testing.T) {
 	full := r.LastFullSync
 
 	s.p.In.Put(planOf(st, 5, false))
-	take(t, s.p.Results, "result")
+	bustest.Take(t, s.p.Results, "result")
 	r = report()
 	if r.Generation != 5 || !r.LastSync.After(full) || !r.LastFullSync.Equal(full) {
 		t.Fatalf("after a partial commit: %+v; want generation 5, a new last sync, the full sync of generation 4", r)
@@ -602,8 +593,8 @@ func TestRunReportsSyncStatus(t *testing.T) {
 
 	k.BeforeRestore = func(int, string) error { return errors.New("injected: restore failed") }
 	// A full sync writes only what the kernel lacks: this one has a new service.
-	s.p.In.Put(planOf(render.SyntheticState(4, 1), 6, true))
-	take(t, s.p.Results, "result")
+	s.p.In.Put(planOf(rendertest.SyntheticState(4, 1), 6, true))
+	bustest.Take(t, s.p.Results, "result")
 	r = report()
 	if r.Generation != 5 || !r.LastSync.Equal(last) || !r.LastFullSync.Equal(full) || r.Errors != 1 || r.LastError == "" {
 		t.Fatalf("after a failed commit: %+v; want generation 5 and the same times, one error", r)
@@ -623,8 +614,8 @@ func TestFailedCommitIsLeftToCoalesceToLog(t *testing.T) {
 	defer stop()
 	k.BeforeRestore = func(int, string) error { return errors.New("injected: restore failed") }
 	for gen := uint64(1); gen <= 3; gen++ {
-		s.p.In.Put(planOf(render.SyntheticState(2, 1), gen, true))
-		if r := take(t, s.p.Results, "result"); r.OK {
+		s.p.In.Put(planOf(rendertest.SyntheticState(2, 1), gen, true))
+		if r := bustest.Take(t, s.p.Results, "result"); r.OK {
 			t.Fatalf("generation %d: result OK; want a failure", gen)
 		}
 	}
@@ -681,7 +672,7 @@ func TestKilledWhileDeletingStaleChainsIsNoSuccess(t *testing.T) {
 	const stray = nf.PrefixEndpoint + "STRAY"
 	k.Tables[nf.TableNAT][stray] = []string{"-A " + stray + " -j RETURN"}
 	s := testStage(k)
-	st := render.SyntheticState(3, 1)
+	st := rendertest.SyntheticState(3, 1)
 	ctx, kill := context.WithCancel(context.Background())
 	k.BeforeRestore = func(_ int, payload string) error {
 		if strings.Contains(payload, "-X "+stray) {
@@ -704,7 +695,7 @@ func TestKilledWhileDeletingStaleChainsIsNoSuccess(t *testing.T) {
 	stop := runStage(t, s)
 	defer stop()
 	s.p.In.Put(planOf(st, 6, true)) // coalesce still wants the full sync
-	if r := take(t, s.p.Results, "result"); !r.OK || !r.Full {
+	if r := bustest.Take(t, s.p.Results, "result"); !r.OK || !r.Full {
 		t.Fatalf("result = %+v; want OK full", r)
 	}
 	if _, ok := k.Tables[nf.TableNAT][stray]; ok {
@@ -724,7 +715,7 @@ func TestKilledFullSyncIsWrittenFullAgain(t *testing.T) {
 	const stray = nf.PrefixEndpoint + "STRAY"
 	k.Tables[nf.TableNAT][stray] = []string{"-A " + stray + " -j RETURN"}
 	s := testStage(k)
-	st := render.SyntheticState(3, 1)
+	st := rendertest.SyntheticState(3, 1)
 	ctx, kill := context.WithCancel(context.Background())
 	k.BeforeRestore = func(_ int, payload string) error {
 		if strings.Contains(payload, "-X "+stray) {
@@ -740,7 +731,7 @@ func TestKilledFullSyncIsWrittenFullAgain(t *testing.T) {
 	stop := runStage(t, s)
 	defer stop()
 	s.p.In.Put(planOf(st, 6, false))
-	if r := take(t, s.p.Results, "result"); !r.OK || !r.Full {
+	if r := bustest.Take(t, s.p.Results, "result"); !r.OK || !r.Full {
 		t.Fatalf("result = %+v; want OK, written as a full sync", r)
 	}
 	if _, ok := k.Tables[nf.TableNAT][stray]; ok {

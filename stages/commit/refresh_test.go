@@ -11,6 +11,7 @@ import (
 	nf "github.com/kpipe/kpipe/netfilter"
 	"github.com/kpipe/kpipe/stages/commit/fakekernel"
 	"github.com/kpipe/kpipe/stages/render"
+	"github.com/kpipe/kpipe/stages/render/rendertest"
 )
 
 // TestRefreshWritesACountPreservingChange: a periodic sync whose plan also carries
@@ -22,12 +23,12 @@ func TestRefreshWritesACountPreservingChange(t *testing.T) {
 	k := fakekernel.New()
 	s := testStage(k)
 	svc := bus.ServiceKey{Namespace: "ns0", Name: "svc0"}
-	before := render.SyntheticState(20, 2)
+	before := rendertest.SyntheticState(20, 2)
 	if err := s.apply(context.Background(), planOf(before, 1, true)); err != nil {
 		t.Fatal(err)
 	}
 
-	after := render.SyntheticState(20, 2)
+	after := rendertest.SyntheticState(20, 2)
 	ep := &after.Slices[svc]["svc0-1"].Items[0]
 	oldAddr, newAddr := ep.Addr, netip.MustParseAddr("10.250.0.7")
 	ep.Addr = newAddr

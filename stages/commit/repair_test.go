@@ -9,9 +9,10 @@ import (
 	"time"
 
 	"github.com/kpipe/kpipe/bus"
+	"github.com/kpipe/kpipe/bus/bustest"
 	nf "github.com/kpipe/kpipe/netfilter"
 	"github.com/kpipe/kpipe/stages/commit/fakekernel"
-	"github.com/kpipe/kpipe/stages/render"
+	"github.com/kpipe/kpipe/stages/render/rendertest"
 )
 
 // runWithRepairs runs a commit stage over k with a repairs mailbox until the test
@@ -20,7 +21,7 @@ func runWithRepairs(t *testing.T, k *fakekernel.Kernel, st bus.State) (*Stage, *
 	t.Helper()
 	s, repairs := startWithRepairs(t, k)
 	s.p.In.Put(planOf(st, 1, true))
-	if r := take(t, s.p.Results, "result"); !r.OK {
+	if r := bustest.Take(t, s.p.Results, "result"); !r.OK {
 		t.Fatal(r.Err)
 	}
 	return s, repairs
@@ -67,7 +68,7 @@ func waitFor(t *testing.T, k *fakekernel.Kernel, what string, cond func() bool) 
 // never wrote and another agent's chain.
 func TestRepairRewritesOnlyTheChangedChains(t *testing.T) {
 	k := fakekernel.New()
-	st := render.SyntheticState(20, 2)
+	st := rendertest.SyntheticState(20, 2)
 	s, repairs := runWithRepairs(t, k, st)
 	k.Mu.Lock()
 	svc := serviceChain(k)
@@ -105,7 +106,7 @@ func TestRepairRewritesOnlyTheChangedChains(t *testing.T) {
 // as one.
 func TestRepairOfALostTableIsAFullSync(t *testing.T) {
 	k := fakekernel.New()
-	st := render.SyntheticState(20, 2)
+	st := rendertest.SyntheticState(20, 2)
 	s, repairs := runWithRepairs(t, k, st)
 	fullBefore := observations(t, s.metrics.SyncFullDuration, "IPv4")
 	k.Mu.Lock()
@@ -135,9 +136,9 @@ func TestRepairBeforeTheFirstPlan(t *testing.T) {
 		t.Errorf("a repair with no plan applied yet wrote: %q", k.Events)
 	}
 	k.Mu.Unlock()
-	st := render.SyntheticState(5, 1)
+	st := rendertest.SyntheticState(5, 1)
 	s.p.In.Put(planOf(st, 1, false))
-	if r := take(t, s.p.Results, "result"); !r.OK {
+	if r := bustest.Take(t, s.p.Results, "result"); !r.OK {
 		t.Fatal(r.Err)
 	}
 	waitFor(t, k, "the jumps", func() bool { return slices.Contains(k.Events, "jumps filter") })
@@ -148,7 +149,7 @@ func TestRepairBeforeTheFirstPlan(t *testing.T) {
 // next plan rewrites them.
 func TestFailedRepairWaitsForTheNextPlan(t *testing.T) {
 	k := fakekernel.New()
-	st := render.SyntheticState(5, 1)
+	st := rendertest.SyntheticState(5, 1)
 	s, repairs := runWithRepairs(t, k, st)
 	k.Mu.Lock()
 	svc := serviceChain(k)
@@ -166,7 +167,7 @@ func TestFailedRepairWaitsForTheNextPlan(t *testing.T) {
 		t.Errorf("a failing repair ran iptables-restore %d times in 100 ms; want once", tries)
 	}
 	s.p.In.Put(planOf(st, 2, false))
-	if r := take(t, s.p.Results, "result"); !r.OK {
+	if r := bustest.Take(t, s.p.Results, "result"); !r.OK {
 		t.Fatal(r.Err)
 	}
 	requireFresh(t, k, st, "after the next plan")
@@ -176,7 +177,7 @@ func TestFailedRepairWaitsForTheNextPlan(t *testing.T) {
 // the restarted stage), instead of applying the repair again and again.
 func TestStopDuringARepair(t *testing.T) {
 	k := fakekernel.New()
-	st := render.SyntheticState(5, 1)
+	st := rendertest.SyntheticState(5, 1)
 	s := testStage(k)
 	repairs := bus.NewMergingMailbox(bus.MergeRepairs)
 	s.p.Repairs = repairs
@@ -184,7 +185,7 @@ func TestStopDuringARepair(t *testing.T) {
 	done := make(chan error, 1)
 	go func() { done <- s.Run(ctx) }()
 	s.p.In.Put(planOf(st, 1, true))
-	if r := take(t, s.p.Results, "result"); !r.OK {
+	if r := bustest.Take(t, s.p.Results, "result"); !r.OK {
 		t.Fatal(r.Err)
 	}
 	k.Mu.Lock()
@@ -212,7 +213,7 @@ func TestStopDuringARepair(t *testing.T) {
 // another writer changed, and once it is back, nothing again.
 func TestRepairWritesOnlyChainsNotAsKpipeWroteThem(t *testing.T) {
 	k := fakekernel.New()
-	st := render.SyntheticState(20, 2)
+	st := rendertest.SyntheticState(20, 2)
 	_, repairs := runWithRepairs(t, k, st)
 	k.Mu.Lock()
 	named := map[string]map[string]bool{}

@@ -12,7 +12,7 @@ import (
 	nf "github.com/kpipe/kpipe/netfilter"
 	"github.com/kpipe/kpipe/netfilter/netnstest"
 	"github.com/kpipe/kpipe/stages/commit/fakekernel"
-	"github.com/kpipe/kpipe/stages/render"
+	"github.com/kpipe/kpipe/stages/render/rendertest"
 )
 
 // TestRestartedCommitWritesOnlyWhatDiffers: a commit stage with a new ledger
@@ -21,7 +21,7 @@ import (
 // change is then written as a partial sync.
 func TestRestartedCommitWritesOnlyWhatDiffers(t *testing.T) {
 	k := fakekernel.New()
-	st := render.SyntheticState(20, 2)
+	st := rendertest.SyntheticState(20, 2)
 	if err := testStage(k).apply(context.Background(), planOf(st, 1, true)); err != nil {
 		t.Fatal(err)
 	}
@@ -73,7 +73,7 @@ func (k *legacyKernel) Digests(ctx context.Context, table string, names []string
 // them, as before the comparison existed.
 func TestLegacyFullSyncReadsNoServiceChains(t *testing.T) {
 	k := &legacyKernel{Kernel: fakekernel.New()}
-	st := render.SyntheticState(20, 2)
+	st := rendertest.SyntheticState(20, 2)
 	if err := testStage(k).apply(context.Background(), planOf(st, 1, true)); err != nil {
 		t.Fatal(err)
 	}
@@ -109,7 +109,7 @@ func TestRestartedCommitComparesWithTheKernel(t *testing.T) {
 	if !nf.OnNFTables(bus.IPv4) {
 		netnstest.Unavailable(t, "iptables is not the nf_tables backend (go tool task setup)")
 	}
-	st := render.SyntheticState(50, 3)
+	st := rendertest.SyntheticState(50, 3)
 	plan := planOf(st, 1, true)
 	netnstest.New(t).Run(t, func() error {
 		ctx := context.Background()

@@ -10,7 +10,7 @@ import (
 	"github.com/kpipe/kpipe/bus"
 	nf "github.com/kpipe/kpipe/netfilter"
 	"github.com/kpipe/kpipe/stages/commit/fakekernel"
-	"github.com/kpipe/kpipe/stages/render"
+	"github.com/kpipe/kpipe/stages/render/rendertest"
 )
 
 // chainOf is the nat chain of kind whose rules carry comment.
@@ -44,7 +44,7 @@ func syncedStage(t *testing.T) (*fakekernel.Kernel, *Stage, bus.State) {
 	t.Helper()
 	k := fakekernel.New()
 	s := testStage(k)
-	st := render.SyntheticState(20, 2)
+	st := rendertest.SyntheticState(20, 2)
 	if err := s.apply(context.Background(), planOf(st, 1, true)); err != nil {
 		t.Fatal(err)
 	}

@@ -11,9 +11,10 @@ import (
 	"time"
 
 	"github.com/kpipe/kpipe/bus"
+	"github.com/kpipe/kpipe/bus/bustest"
 	nf "github.com/kpipe/kpipe/netfilter"
 	"github.com/kpipe/kpipe/netfilter/netnstest"
-	"github.com/kpipe/kpipe/stages/render"
+	"github.com/kpipe/kpipe/stages/render/rendertest"
 )
 
 // watchedTool is the real kernel, with the payloads commit writes and its jump
@@ -96,9 +97,9 @@ func TestOwnWritesHeardFromTheKernelWriteNothing(t *testing.T) {
 		stopped <- err
 	}()
 	defer func() { cancel(); <-stopped }()
-	st := render.SyntheticState(20, 2)
+	st := rendertest.SyntheticState(20, 2)
 	s.p.In.Put(planOf(st, 1, true))
-	if r := take(t, s.p.Results, "result"); !r.OK {
+	if r := bustest.Take(t, s.p.Results, "result"); !r.OK {
 		t.Fatal(r.Err)
 	}
 	// repair hands r to commit with a jump check, whose end shows it was taken,

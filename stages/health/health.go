@@ -142,8 +142,8 @@ func (e *BindError) Error() string {
 
 func (e *BindError) Unwrap() error { return e.Err }
 
-// New makes the health stage.
-func New(p Params) *Health {
+// NewStage makes the health stage.
+func NewStage(p Params) *Health {
 	cfg, board, log := p.Config, p.Board, p.Env.Log
 	if log == nil {
 		log = slog.New(slog.DiscardHandler)

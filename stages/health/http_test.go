@@ -14,6 +14,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/kpipe/kpipe/bus"
+	"github.com/kpipe/kpipe/bus/bustest"
 	"github.com/kpipe/kpipe/metrics"
 )
 
@@ -43,7 +44,7 @@ func newHarness(t *testing.T, cfg Config, stages http.Handler) *harness {
 		now:     testNow,
 	}
 	log := slog.New(slog.NewTextHandler(testWriter{t}, &slog.HandlerOptions{Level: slog.LevelDebug}))
-	hs.h = New(Params{Config: cfg, Board: hs.board, Gatherer: reg, Checks: hs.checks, Stages: stages,
+	hs.h = NewStage(Params{Config: cfg, Board: hs.board, Gatherer: reg, Checks: hs.checks, Stages: stages,
 		Env: bus.Env{Log: log, Metrics: hs.metrics}})
 	hs.h.started = testStarted
 	hs.h.now = func() time.Time { return testNow }
@@ -80,19 +81,8 @@ func (hs *harness) run(t *testing.T) (stop func() error) {
 func (hs *harness) addr(t *testing.T, name string) string {
 	t.Helper()
 	var a net.Addr
-	eventually(t, func() bool { a = hs.h.boundAddr(name); return a != nil }, "listener %s bound", name)
+	bustest.Eventually(t, func() bool { a = hs.h.boundAddr(name); return a != nil }, "listener %s bound", name)
 	return a.String()
-}
-
-func eventually(t *testing.T, cond func() bool, format string, args ...any) {
-	t.Helper()
-	deadline := time.Now().Add(10 * time.Second)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("timed out waiting for: "+format, args...)
-		}
-		time.Sleep(5 * time.Millisecond)
-	}
 }
 
 type testWriter struct{ t *testing.T }
@@ -493,7 +483,7 @@ func TestRunReleasesPorts(t *testing.T) {
 	stop := hs.run(t)
 	healthz, metrics, debug := hs.addr(t, healthzListener), hs.addr(t, metricsListener), hs.addr(t, debugListener)
 	hcURL := "http://" + hcAddr(port) + "/"
-	eventually(t, func() bool { _, err := tryGet(hcURL); return err == nil }, "healthcheck port open")
+	bustest.Eventually(t, func() bool { _, err := tryGet(hcURL); return err == nil }, "healthcheck port open")
 	if r := get(t, "http://"+healthz+"/healthz"); r.code != http.StatusOK {
 		t.Fatalf("/healthz code %d", r.code)
 	}
@@ -522,7 +512,7 @@ func TestRunReleasesPorts(t *testing.T) {
 	}
 	hs.addr(t, metricsListener)
 	var r response
-	eventually(t, func() bool { var err error; r, err = tryGet(hcURL); return err == nil }, "healthcheck reopened")
+	bustest.Eventually(t, func() bool { var err error; r, err = tryGet(hcURL); return err == nil }, "healthcheck reopened")
 	if r.code != http.StatusOK {
 		t.Errorf("reopened healthcheck code %d", r.code)
 	}
@@ -562,7 +552,7 @@ func TestRunRetriesBindInBackground(t *testing.T) {
 		}
 	}
 	busy.Close()
-	eventually(t, func() bool {
+	bustest.Eventually(t, func() bool {
 		r, err := tryGet("http://" + metricsAddr + "/metrics")
 		return err == nil && r.code == http.StatusOK
 	}, "metrics served after the port was freed")

@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/kpipe/kpipe/bus"
+	"github.com/kpipe/kpipe/bus/bustest"
 )
 
 func addrList(ss ...string) []netip.Addr {
@@ -27,7 +28,7 @@ func answersOn(host string, port int32) bool {
 // waitAnswersOn polls until the port answers on host.
 func waitAnswersOn(t *testing.T, host string, port int32) {
 	t.Helper()
-	eventually(t, func() bool { return answersOn(host, port) }, "port %d to answer on %s", port, host)
+	bustest.Eventually(t, func() bool { return answersOn(host, port) }, "port %d to answer on %s", port, host)
 }
 
 // neverAnswersOn checks, again and again, that nothing answers the port on host.
@@ -80,7 +81,7 @@ func TestServiceHealthListensOnPlanAddrs(t *testing.T) {
 	// A family that lists no address has no listener of that family.
 	// (127.0.0.3 answered before too: wait for the move, then check it holds.)
 	put(addrList("127.0.0.3"), addrList())
-	eventually(t, func() bool { return !answersOn("127.0.0.1", port) }, "port %d to leave 127.0.0.1", port)
+	bustest.Eventually(t, func() bool { return !answersOn("127.0.0.1", port) }, "port %d to leave 127.0.0.1", port)
 	waitAnswersOn(t, "127.0.0.3", port)
 	neverAnswersOn(t, "127.0.0.1", port)
 
@@ -97,7 +98,7 @@ func TestServiceHealthListensOnPlanAddrs(t *testing.T) {
 
 	// IPv4 limited, IPv6 every address: IPv6 answers, IPv4 only where listed.
 	put(addrList("127.0.0.2"), nil)
-	eventually(t, func() bool { return !answersOn("127.0.0.9", port) }, "port %d to leave 127.0.0.9", port)
+	bustest.Eventually(t, func() bool { return !answersOn("127.0.0.9", port) }, "port %d to leave 127.0.0.9", port)
 	waitAnswersOn(t, "127.0.0.2", port)
 	waitAnswersOn(t, "::1", port)
 	neverAnswersOn(t, "127.0.0.9", port)

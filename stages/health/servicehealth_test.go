@@ -17,6 +17,7 @@ import (
 	"k8s.io/client-go/kubernetes/fake"
 
 	"github.com/kpipe/kpipe/bus"
+	"github.com/kpipe/kpipe/bus/bustest"
 	kpevents "github.com/kpipe/kpipe/stages/events"
 )
 
@@ -58,18 +59,18 @@ func hcBody(ns, name string, endpoints int, healthy bool) string {
 func waitAnswer(t *testing.T, port int32, body string) response {
 	t.Helper()
 	var r response
-	eventually(t, func() bool {
+	bustest.Eventually(t, func() bool {
 		var err error
 		r, err = tryGet("http://" + hcAddr(port) + "/")
 		return err == nil && r.body == body
-	}, "port %d to answer %q (last %q)", port, body, &r.body)
+	}, "port %d to answer %q", port, body)
 	return r
 }
 
 // waitClosed polls until nothing answers on the port, then checks it can be bound.
 func waitClosed(t *testing.T, port int32) {
 	t.Helper()
-	eventually(t, func() bool {
+	bustest.Eventually(t, func() bool {
 		_, err := tryGet("http://" + hcAddr(port) + "/")
 		return err != nil
 	}, "port %d to close", port)
@@ -143,7 +144,7 @@ func TestServiceHealthServers(t *testing.T) {
 	hs.checks.Put(checks(bus.IPv6, map[bus.ServiceKey]bus.HealthCheck{
 		a: {NodePort: pa, LocalEndpoints: 3},
 	}))
-	eventually(t, func() bool { return getKeep().body == hcBody("ns-a", "a", 3, true) }, "a to count IPv6 endpoints")
+	bustest.Eventually(t, func() bool { return getKeep().body == hcBody("ns-a", "a", 3, true) }, "a to count IPv6 endpoints")
 	if r := getKeep(); r.code != http.StatusOK {
 		t.Errorf("a with 3 endpoints: code %d", r.code)
 	}
@@ -288,7 +289,7 @@ func TestServiceHealthBindFailureRecordsEvent(t *testing.T) {
 	waitAnswer(t, pb, hcBody("ns", "b", 1, true))
 
 	var got []eventsv1.Event
-	eventually(t, func() bool {
+	bustest.Eventually(t, func() bool {
 		list, err := client.EventsV1().Events("ns").List(ctx, metav1.ListOptions{})
 		if err != nil {
 			t.Fatal(err)

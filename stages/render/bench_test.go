@@ -9,6 +9,7 @@ import (
 
 	"github.com/kpipe/kpipe/bus"
 	nf "github.com/kpipe/kpipe/netfilter"
+	"github.com/kpipe/kpipe/stages/render/rendertest"
 )
 
 // BenchmarkRenderFull renders every chain of a cluster of 1k and 10k services, their
@@ -18,7 +19,7 @@ import (
 func BenchmarkRenderFull(b *testing.B) {
 	for _, n := range []int{1000, 10000} {
 		b.Run(fmt.Sprintf("services=%d/endpoints=10", n), func(b *testing.B) {
-			st := SyntheticState(n, 10)
+			st := rendertest.SyntheticState(n, 10)
 			b.ReportAllocs()
 			var p *bus.Plan
 			for b.Loop() {
@@ -42,7 +43,7 @@ func BenchmarkRenderFull(b *testing.B) {
 // endpoints changed in a 10k-service cluster, as the render stage does: with its
 // cache of the services that did not change.
 func BenchmarkRenderOneEndpointChanged(b *testing.B) {
-	st := SyntheticState(10000, 10)
+	st := rendertest.SyntheticState(10000, 10)
 	rr := NewRenderer(baseConfig())
 	rr.Render(full(st))
 	key := bus.ServiceKey{Namespace: "ns7", Name: "svc7"}
@@ -65,7 +66,7 @@ func BenchmarkRenderOneEndpointChanged(b *testing.B) {
 // after rendering 10k services with 10 endpoints each (plans dropped), and how
 // much of it is the rules' text.
 func BenchmarkRenderCacheMemory(b *testing.B) {
-	st := SyntheticState(10000, 10)
+	st := rendertest.SyntheticState(10000, 10)
 	var cached, text float64
 	for b.Loop() {
 		before := liveHeap()

@@ -10,6 +10,7 @@ import (
 	"testing"
 
 	"github.com/kpipe/kpipe/bus"
+	"github.com/kpipe/kpipe/stages/render/rendertest"
 )
 
 // TestRendererCacheMatchesFreshRender drives a Renderer through random changes the
@@ -18,7 +19,7 @@ import (
 func TestRendererCacheMatchesFreshRender(t *testing.T) {
 	rnd := rand.New(rand.NewPCG(1, 2))
 	cfg := baseConfig()
-	st := SyntheticState(40, 3)
+	st := rendertest.SyntheticState(40, 3)
 	st.Node = node()
 	rr := NewRenderer(cfg)
 	var last *bus.Plan
@@ -139,7 +140,7 @@ func chainHashes(p *bus.Plan) map[string]uint64 {
 // status update; one that changes nothing rules depend on must not make every
 // service render again (it used to: the Node was compared by pointer).
 func TestNodeUpdateKeepsTheCache(t *testing.T) {
-	st := SyntheticState(5, 2)
+	st := rendertest.SyntheticState(5, 2)
 	st.Node = node()
 	rr := NewRenderer(baseConfig())
 	rr.Render(full(st))
@@ -175,7 +176,7 @@ func TestChainHashIsFNV1a(t *testing.T) {
 // keys between the cached ones, come out in the order a fresh render gives.
 func TestRendererAddsManyServicesInOrder(t *testing.T) {
 	cfg := baseConfig()
-	all := SyntheticState(300, 2)
+	all := rendertest.SyntheticState(300, 2)
 	all.Node = node()
 	keys := slices.SortedFunc(maps.Keys(all.Services), compareKeys)
 	rr := NewRenderer(cfg)

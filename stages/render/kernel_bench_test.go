@@ -9,6 +9,7 @@ import (
 	"github.com/kpipe/kpipe/bus"
 	nf "github.com/kpipe/kpipe/netfilter"
 	"github.com/kpipe/kpipe/netfilter/netnstest"
+	"github.com/kpipe/kpipe/stages/render/rendertest"
 )
 
 // BenchmarkKernelOneChainWrite is what the kernel charges for a one-chain
@@ -31,7 +32,7 @@ func BenchmarkKernelOneChainWrite(b *testing.B) {
 
 func benchKernelOneChainWrite(b *testing.B, n int) {
 	cfg := Config{Family: bus.IPv4, NodeName: "bench-node", MasqueradeBit: 14, DetectLocal: DetectClusterCIDR, ClusterCIDRs: []netip.Prefix{netip.MustParsePrefix("10.244.0.0/16")}}
-	plan := Render(cfg, &bus.Snapshot{State: SyntheticState(n, 10), Full: true})
+	plan := Render(cfg, &bus.Snapshot{State: rendertest.SyntheticState(n, 10), Full: true})
 	ns := netnstest.New(b)
 	tool := nf.Tool{Family: bus.IPv4, Writer: nf.WriterNetlink}
 	// The set-up as commit writes it; what is timed, netlink only: a payload

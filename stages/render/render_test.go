@@ -9,6 +9,7 @@ import (
 
 	"github.com/kpipe/kpipe/bus"
 	nf "github.com/kpipe/kpipe/netfilter"
+	"github.com/kpipe/kpipe/stages/render/rendertest"
 )
 
 func full(st bus.State) *bus.Snapshot { return &bus.Snapshot{Generation: 1, State: st, Full: true} }
@@ -480,7 +481,7 @@ func TestDispatchWalkIsShort(t *testing.T) {
 			if family == bus.IPv6 {
 				cfg.Family, cfg.ClusterCIDRs, cfg.LocalhostNodePorts = bus.IPv6, []netip.Prefix{prefix("fd00:10:244::/48")}, false
 			}
-			st := SyntheticStateOf(family, 10000, 1)
+			st := rendertest.SyntheticStateOf(family, 10000, 1)
 			p := Render(cfg, full(st))
 			checkConsistent(t, p)
 			rules := natRules(p)

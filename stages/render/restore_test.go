@@ -17,6 +17,7 @@ import (
 	nf "github.com/kpipe/kpipe/netfilter"
 	"github.com/kpipe/kpipe/netfilter/netnstest"
 	"github.com/kpipe/kpipe/netfilter/writertest"
+	"github.com/kpipe/kpipe/stages/render/rendertest"
 )
 
 // TestGoldenPayloadsRestore feeds every golden payload to the real
@@ -94,7 +95,7 @@ func TestNetlinkWriterEqualsRestoreAt10k(t *testing.T) {
 		t.Skip("minutes under the race detector; `go tool task unit` runs it without")
 	}
 	cfg := Config{Family: bus.IPv4, NodeName: "bench-node", MasqueradeBit: 14, DetectLocal: DetectClusterCIDR, ClusterCIDRs: []netip.Prefix{netip.MustParsePrefix("10.244.0.0/16")}}
-	plan := Render(cfg, &bus.Snapshot{State: SyntheticState(10000, 10), Full: true})
+	plan := Render(cfg, &bus.Snapshot{State: rendertest.SyntheticState(10000, 10), Full: true})
 	// In runs of 4,000 chains, as commit writes a full sync (one
 	// iptables-restore run of it all takes minutes); each run's chains come
 	// after the chains they jump to (render's order).

@@ -1,4 +1,6 @@
-package render
+// Package rendertest holds the synthetic clusters that render's, commit's and
+// netfilter's tests and benchmarks render: test support, not part of kpipe.
+package rendertest
 
 import (
 	"fmt"
