@@ -135,6 +135,32 @@ func TestWriterDoesNotFallBackOnAChainInUse(t *testing.T) {
 	})
 }
 
+// TestWriterDoesNotFallBackOnAJumpLoop: a batch the kernel's validation walk
+// refuses (a jump loop, or jumps deeper than 16: EMLINK/ELOOP) iptables-restore
+// would make the same way and be refused the same way, after the kernel's
+// replay walked the table once a rule again (9.9 s for 111 rules at 1,000
+// services, 15.3 s with the fallback): the netlink writer says so at once.
+func TestWriterDoesNotFallBackOnAJumpLoop(t *testing.T) {
+	onNFTablesNamespace(t, func(ctx context.Context, tool Tool) error {
+		reachable := "*nat\n:KUBE-KPX-A - [0:0]\n:KUBE-KPX-B - [0:0]\n-A PREROUTING -j KUBE-KPX-A\n-A KUBE-KPX-A -j KUBE-KPX-B\nCOMMIT\n"
+		if err := tool.Restore(ctx, []byte(reachable)); err != nil {
+			return err
+		}
+		before := NetlinkFallbacks.Load()
+		err := tool.Restore(ctx, []byte("*nat\n-A KUBE-KPX-B -j KUBE-KPX-A\nCOMMIT\n"))
+		if !errors.Is(err, syscall.EMLINK) && !errors.Is(err, syscall.ELOOP) {
+			return fmt.Errorf("writing a jump loop: %v; want EMLINK or ELOOP", err)
+		}
+		if n := NetlinkFallbacks.Load(); n != before {
+			return fmt.Errorf("the refused loop went to iptables-restore (%d fallbacks)", n-before)
+		}
+		if rules, err := tool.ListChain(ctx, TableNAT, "KUBE-KPX-B"); err != nil || len(rules) != 0 {
+			return fmt.Errorf("the loop's chain lists %q, %v; want it as it was, empty", rules, err)
+		}
+		return nil
+	})
+}
+
 // onNFTablesNamespace runs f in a new network namespace with an IPv4 Tool of
 // the nf_tables backend (skipped without root or that backend).
 func onNFTablesNamespace(t *testing.T, f func(context.Context, Tool) error) {

@@ -43,9 +43,7 @@ func (t Tool) Prepare(payload []byte) (write func(ctx context.Context) error) {
 	return func(ctx context.Context) error {
 		if nft, err := t.onNFTables(ctx); err == nil && nft && translateErr == nil {
 			err := t.writeBatches(ctx, sections)
-			// A chain still in use (EBUSY): iptables-restore would make the
-			// same request and be refused the same way.
-			if err == nil || ctx.Err() != nil || errors.Is(err, syscall.EBUSY) {
+			if err == nil || ctx.Err() != nil || refusedAlike(err) {
 				return err
 			}
 			NetlinkFallbacks.Add(1)
@@ -54,6 +52,17 @@ func (t Tool) Prepare(payload []byte) (write func(ctx context.Context) error) {
 		// (not counted: it never tried), or what the kernel refused from it.
 		return t.restoreTool(ctx, payload)
 	}
+}
+
+// refusedAlike says whether iptables-restore would make the same request and
+// be refused the same way: a chain still in use (EBUSY), or a jump loop or a
+// jump stack deeper than 16 found by the kernel's validation walk (EMLINK,
+// ELOOP), which the kernel answers only after walking the table once a rule
+// of the batch again (seconds at 1,000 services), so a fallback paid it twice.
+// Not EINVAL: it also means an older kernel without a match revision, which
+// iptables-restore may encode another way.
+func refusedAlike(err error) bool {
+	return errors.Is(err, syscall.EBUSY) || errors.Is(err, syscall.EMLINK) || errors.Is(err, syscall.ELOOP)
 }
 
 // RestoreNetlink writes payload over nf_tables netlink only, as Restore's
