@@ -88,15 +88,12 @@ func (s *Stage) handlesAsWritten(ctx context.Context, d RuleDeleter, c bus.Chain
 	if differs, known := s.ledger.differs(nf.TableNAT, c); differs || !known {
 		return nil, false
 	}
-	want, known := s.kernel.ExpectedDigest(ctx, nf.TableNAT, c.Rules)
-	if !known {
-		return nil, false
-	}
 	handles, got, err := d.RuleHandles(ctx, nf.TableNAT, c.Name)
-	if err != nil || got != want {
+	if err != nil {
 		return nil, false
 	}
-	return handles, true
+	want, known := s.kernel.ExpectedDigest(ctx, nf.TableNAT, c.Rules)
+	return handles, known && got == want
 }
 
 // sameTable says whether two plans hold the same chains in a table.
