@@ -24,31 +24,54 @@ type RuleRef struct {
 	Handle uint64
 }
 
-// RuleHandles lists the rules of one chain as the kernel holds them: each
-// rule's handle, in the kernel's order, and the chain's digest as Digests
-// gives it, both of one state of the chain (a change of the ruleset during the
-// read is an error: the caller reads again or does without). ErrNoChain when
-// the chain is not there.
-func (t Tool) RuleHandles(ctx context.Context, table, chain string) (handles []uint64, digest uint64, err error) {
+// ChainRules is one chain's rules as the kernel holds them: each rule's
+// handle, in the kernel's order, and the chain's digest as Digests gives it.
+type ChainRules struct {
+	Handles []uint64
+	Digest  uint64
+}
+
+// RuleHandles lists the rules of the chains of table named, over one netlink
+// socket, each of one state of that chain. A chain that is not there, or
+// that changed while it was read, is left out: the caller does without it.
+func (t Tool) RuleHandles(ctx context.Context, table string, chains []string) (map[string]ChainRules, error) {
 	if err := t.deletesByHandle(ctx); err != nil {
-		return nil, 0, err
+		return nil, err
 	}
 	n, done, err := t.openReader(ctx, table)
 	if err != nil {
-		return nil, 0, err
+		return nil, err
 	}
 	defer done()
+	out := make(map[string]ChainRules, len(chains))
+	for _, chain := range chains {
+		rules, err := n.chainRules(chain)
+		if errors.Is(err, errChanged) || errors.Is(err, ErrNoChain) {
+			continue
+		}
+		if err != nil {
+			return nil, fmt.Errorf("nf_tables rules of %s %s: %w", table, chain, err)
+		}
+		out[chain] = rules
+	}
+	return out, nil
+}
+
+// chainRules reads one chain's handles and digest while the ruleset stands
+// still (errChanged otherwise); ErrNoChain when it is not there.
+func (n *nftReader) chainRules(chain string) (ChainRules, error) {
 	start, err := n.generation()
 	if err != nil {
-		return nil, 0, err
+		return ChainRules{}, err
 	}
 	// A dump of a chain that is not there answers as an empty chain would.
 	if chains, err := n.chains([]string{chain}); err != nil || len(chains) == 0 {
 		if err == nil {
 			err = ErrNoChain
 		}
-		return nil, 0, fmt.Errorf("nf_tables %s %s: %w", table, chain, err)
+		return ChainRules{}, err
 	}
+	var out ChainRules
 	d := newDigest()
 	seen := map[uint64]struct{}{}
 	err = n.dumpRules(chain, func(attrs []byte) error {
@@ -60,7 +83,7 @@ func (t Tool) RuleHandles(ctx context.Context, table, chain string) (handles []u
 			return nil // a dump part repeated (see hashRules)
 		}
 		seen[r.handle] = struct{}{}
-		handles = append(handles, r.handle)
+		out.Handles = append(out.Handles, r.handle)
 		return r.hashInto(d)
 	})
 	if errors.Is(err, syscall.ENOENT) { // gone since it was listed
@@ -69,10 +92,8 @@ func (t Tool) RuleHandles(ctx context.Context, table, chain string) (handles []u
 	if err == nil {
 		err = n.still(start)
 	}
-	if err != nil {
-		return nil, 0, fmt.Errorf("nf_tables rules of %s %s: %w", table, chain, err)
-	}
-	return handles, uint64(*d), nil
+	out.Digest = uint64(*d)
+	return out, err
 }
 
 // DeleteRules deletes rules of table by handle in one nf_tables transaction,

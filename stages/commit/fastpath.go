@@ -23,9 +23,10 @@ import (
 // rules by handle (netfilter.Tool: on nf_tables with the netlink writer; else
 // both say nf.ErrNoRuleHandles).
 type RuleDeleter interface {
-	// RuleHandles lists a chain's rules, in order, and its digest as Digests
-	// gives it, of one state of the chain.
-	RuleHandles(ctx context.Context, table, chain string) (handles []uint64, digest uint64, err error)
+	// RuleHandles lists the rules of the chains named (those there, each of
+	// one state of it): their handles in order and the chain's digest as
+	// Digests gives it.
+	RuleHandles(ctx context.Context, table string, chains []string) (map[string]nf.ChainRules, error)
 	// DeleteRules deletes the rules named in one transaction, all or none.
 	DeleteRules(ctx context.Context, table string, rules []nf.RuleRef) error
 }
@@ -56,11 +57,19 @@ func (s *Stage) deleteGoneFirst(ctx context.Context, plan *bus.Plan) {
 	if old == nil || now == nil {
 		return
 	}
+	cuts := s.asWritten(fastCuts(*old, *now, sameTable(s.last.Table(nf.TableFilter), plan.Table(nf.TableFilter))))
+	if len(cuts) == 0 {
+		return
+	}
+	listed, err := d.RuleHandles(ctx, nf.TableNAT, chainNames(cuts))
+	if err != nil {
+		return
+	}
 	var refs []nf.RuleRef
 	var touched []string
-	for _, c := range fastCuts(*old, *now, sameTable(s.last.Table(nf.TableFilter), plan.Table(nf.TableFilter))) {
-		handles, ok := s.handlesAsWritten(ctx, d, c.chain)
-		if !ok || len(handles) != c.count {
+	for _, c := range cuts {
+		handles, ok := s.kernelHolds(ctx, listed, c)
+		if !ok {
 			continue
 		}
 		for _, i := range c.rules {
@@ -79,21 +88,37 @@ func (s *Stage) deleteGoneFirst(ctx context.Context, plan *bus.Plan) {
 		s.log.Info("deleting gone endpoints' rules ahead of the write; the write does it", "family", s.family, "rules", len(refs), "err", err)
 		return
 	}
+	s.metrics.FastDeletedRules.WithLabelValues(s.family.String()).Add(float64(len(refs)))
 	s.log.Debug("deleted gone endpoints' rules ahead of the write", "family", s.family, "chains", len(touched), "rules", len(refs), "took", time.Since(start))
 }
 
-// handlesAsWritten lists the handles of a chain's rules when the ledger and
-// the kernel both hold it as c (ok false otherwise: the chain is not cut).
-func (s *Stage) handlesAsWritten(ctx context.Context, d RuleDeleter, c bus.Chain) (handles []uint64, ok bool) {
-	if differs, known := s.ledger.differs(nf.TableNAT, c); differs || !known {
+// asWritten keeps the cuts of chains the ledger holds as the last plan
+// wrote them (not in doubt).
+func (s *Stage) asWritten(cuts []cut) []cut {
+	return slices.DeleteFunc(cuts, func(c cut) bool {
+		differs, known := s.ledger.differs(nf.TableNAT, c.chain)
+		return differs || !known
+	})
+}
+
+func chainNames(cuts []cut) []string {
+	names := make([]string, len(cuts))
+	for i, c := range cuts {
+		names[i] = c.chain.Name
+	}
+	return names
+}
+
+// kernelHolds returns the handles of c's rules in the kernel's listing when
+// the kernel holds c as the last plan wrote it: the digest its rules give
+// (ok false otherwise: the chain is not cut).
+func (s *Stage) kernelHolds(ctx context.Context, listed map[string]nf.ChainRules, c cut) (handles []uint64, ok bool) {
+	l, there := listed[c.chain.Name]
+	if !there || len(l.Handles) != c.count {
 		return nil, false
 	}
-	handles, got, err := d.RuleHandles(ctx, nf.TableNAT, c.Name)
-	if err != nil {
-		return nil, false
-	}
-	want, known := s.kernel.ExpectedDigest(ctx, nf.TableNAT, c.Rules)
-	return handles, known && got == want
+	want, known := s.kernel.ExpectedDigest(ctx, nf.TableNAT, c.chain.Rules)
+	return l.Handles, known && l.Digest == want
 }
 
 // sameTable says whether two plans hold the same chains in a table.

@@ -301,6 +301,11 @@ func TestEndpointsRemovedLeaveBeforeTheWalkedWrite(t *testing.T) {
 		t.Fatal(r.Err)
 	}
 	requireFastThenWalked(t, k, n)
+	// Two ports each: the rule of the endpoint gone in each service chain
+	// (svc1-3), the dispatch jump of svc4 (one rule, or its bucket's).
+	if got := value(t, s.metrics.FastDeletedRules.WithLabelValues("IPv4")); got < 3*2+1 {
+		t.Errorf("kpipe_fast_path_deleted_rules_total %v; want at least 7", got)
+	}
 	// The deleted service's rules went with the endpoints: it meets what the
 	// new rules give it (no DNAT) already.
 	gone := map[string]bool{"svc1": true, "svc2": true, "svc3": true, "svc4": true}

@@ -237,21 +237,25 @@ func (k *Kernel) WriteSysctl(name, value string) error {
 	return nil
 }
 
-// RuleHandles lists a chain's rules as handles and its digest, as
+// RuleHandles lists the chains' rules as handles and digests, as
 // netfilter.Tool does: a rule's handle here is a hash of its line, so a
 // handle names the rule it was listed for until that rule goes.
-func (k *Kernel) RuleHandles(_ context.Context, table, chain string) ([]uint64, uint64, error) {
+func (k *Kernel) RuleHandles(_ context.Context, table string, chains []string) (map[string]nf.ChainRules, error) {
 	k.Mu.Lock()
 	defer k.Mu.Unlock()
-	rules, ok := k.Tables[table][chain]
-	if !ok {
-		return nil, 0, fmt.Errorf("fake: %s/%s: %w", table, chain, nf.ErrNoChain)
+	out := map[string]nf.ChainRules{}
+	for _, chain := range chains {
+		rules, ok := k.Tables[table][chain]
+		if !ok {
+			continue
+		}
+		handles := make([]uint64, len(rules))
+		for i, r := range rules {
+			handles[i] = handleOf(r)
+		}
+		out[chain] = nf.ChainRules{Handles: handles, Digest: digestOf(rules)}
 	}
-	handles := make([]uint64, len(rules))
-	for i, r := range rules {
-		handles[i] = handleOf(r)
-	}
-	return handles, digestOf(rules), nil
+	return out, nil
 }
 
 // DeleteRules deletes rules by handle in one transaction (counted in Blocks,
