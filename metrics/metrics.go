@@ -37,6 +37,7 @@ type Metrics struct {
 	ConfigReloads          *prometheus.CounterVec   // kpipe: config file changes read, by result
 	ConfigReloadSuccessful prometheus.Gauge         // kpipe: 1 unless the config file's last change was rejected
 	UndeletableChains      *prometheus.GaugeVec     // kpipe: chains kpipe wants gone that the kernel will not delete, by ip_family
+	FastDeletedRules       *prometheus.CounterVec   // kpipe: rules deleted ahead of the walked write (the removal fast path), by ip_family
 }
 
 // The results of a config file reload (label result of kpipe_config_reloads_total).
@@ -113,13 +114,15 @@ func New(reg prometheus.Registerer) *Metrics {
 			Name: "kpipe_config_last_reload_successful", Help: "1 if kpipe runs on the config file as it is, 0 if its last change was rejected"}),
 		UndeletableChains: prometheus.NewGaugeVec(prometheus.GaugeOpts{
 			Name: "kpipe_undeletable_chains", Help: "Chains of kpipe's that it no longer wants and the kernel refuses to delete (another agent's rule still jumps to them); emptied, retried at each periodic sync"}, []string{IPFamily}),
+		FastDeletedRules: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "kpipe_fast_path_deleted_rules_total", Help: "Rules to endpoints that went away (and to deleted Services) deleted in a delete-only transaction ahead of the walked write of the rest of a sync"}, []string{IPFamily}),
 	}
 	m.ConfigReloadSuccessful.Set(1)
 	reg.MustRegister(m.SyncDuration, m.SyncFullDuration, m.SyncPartialDuration, m.NetworkProgramming,
 		m.LastSync, m.LastQueued, m.RestoreFailures, m.PartialRestoreFailures, m.RulesTotal, m.RulesLast,
 		m.ServiceChanges, m.EndpointChanges, m.ServicesPending, m.EndpointsPending, m.NoLocalEndpoints,
 		m.HealthzTotal, m.LivezTotal, m.ConntrackDeleted, m.ConntrackDuration, m.Skipped, m.StageRestarts, m.Escalations,
-		m.ConfigReloads, m.ConfigReloadSuccessful, m.UndeletableChains)
+		m.ConfigReloads, m.ConfigReloadSuccessful, m.UndeletableChains, m.FastDeletedRules)
 	return m
 }
 

@@ -39,6 +39,9 @@ const chainsPerFreshStep = 500
 // nothing else (deleteUnwanted).
 func (s *Stage) apply(ctx context.Context, plan *bus.Plan) error {
 	full := s.writtenFull(plan)
+	if !full {
+		s.deleteGoneFirst(ctx, plan)
+	}
 	var w writes
 	for _, tp := range plan.Tables {
 		tw, err := s.changes(ctx, tp, full, plan.Refresh)

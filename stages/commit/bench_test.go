@@ -75,6 +75,12 @@ func BenchmarkCommit(b *testing.B) {
 			}
 		})
 		ns.Run(b, write(same))
+		removed := render.Render(cfg, &bus.Snapshot{State: withoutEndpoint(st, 1, "svc7")})
+		for _, fast := range []bool{true, false} {
+			b.Run(fmt.Sprintf("services=%d/partial-endpoint-removed/fast-path=%v", n, fast), func(b *testing.B) {
+				benchRemoval(b, ns, s.ledger, fast, removed, same)
+			})
+		}
 		b.Run(fmt.Sprintf("services=%d/periodic", n), func(b *testing.B) {
 			for b.Loop() {
 				ns.Run(b, write(periodic))
@@ -110,6 +116,43 @@ func BenchmarkCommitKubeProxyLayout(b *testing.B) {
 		}
 		b.ReportMetric(float64(len(plan.Table(nf.TableNAT).Chains)), "nat-chains")
 	})
+}
+
+// benchRemoval times plans that remove a middle endpoint of one service
+// (each put back, untimed, after): from the plan to the delete-only
+// transaction landed (the endpoint out of the rules) and to the end of the
+// walked write. Without the fast path the endpoint is out only at the end.
+func benchRemoval(b *testing.B, ns *netnstest.Namespace, ledger *Ledger, fast bool, removed, same *bus.Plan) {
+	watch := &deleteWatcher{Tool: nf.Tool{Family: bus.IPv4}}
+	var kernel Kernel = watch
+	if !fast {
+		kernel = struct{ Kernel }{watch} // no RuleDeleter: today's one walked write
+	}
+	s := testStage(kernel)
+	s.ledger, s.last = ledger, same
+	var landed time.Time
+	watch.landed = func() error { landed = time.Now(); return nil }
+	var toGone, toWalked time.Duration
+	for b.Loop() {
+		landed = time.Time{}
+		start := time.Now()
+		ns.Run(b, func() error { return s.apply(context.Background(), removed) })
+		walked := time.Now()
+		if landed.IsZero() {
+			landed = walked
+		}
+		toGone, toWalked = toGone+landed.Sub(start), toWalked+walked.Sub(start)
+		b.StopTimer()
+		s.last = removed
+		ns.Run(b, func() error { return s.apply(context.Background(), same) })
+		s.last = same
+		b.StartTimer()
+	}
+	if fast && watch.count < b.N {
+		b.Fatalf("%d delete-only transactions in %d removals", watch.count, b.N)
+	}
+	b.ReportMetric(float64(toGone.Milliseconds())/float64(b.N), "ms-to-gone")
+	b.ReportMetric(float64(toWalked.Milliseconds())/float64(b.N), "ms-to-walked")
 }
 
 func withOneChange(st bus.State) bus.State {

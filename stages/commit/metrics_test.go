@@ -105,12 +105,14 @@ func TestRestoreFailureMetrics(t *testing.T) {
 	s.p.In.Put(planOf(base, 1, true))
 	bustest.Take(t, s.p.Results, "result")
 
+	// A service added: a write (a service deleted could be written by the
+	// delete-only fast path, and the full sync would then find nothing to write).
 	k.BeforeRestore = func(int, string) error { return errors.New("injected: restore failed") }
-	s.p.In.Put(planOf(with(base, nil, []string{"svc2"}, ""), 2, false))
+	s.p.In.Put(planOf(with(base, []int{7}, nil, ""), 2, false))
 	if r := bustest.Take(t, s.p.Results, "result"); r.OK {
 		t.Fatal("partial sync succeeded; want a failure")
 	}
-	s.p.In.Put(planOf(with(base, nil, []string{"svc2"}, ""), 3, true))
+	s.p.In.Put(planOf(with(base, []int{7}, nil, ""), 3, true))
 	if r := bustest.Take(t, s.p.Results, "result"); r.OK {
 		t.Fatal("full sync succeeded; want a failure")
 	}

@@ -237,6 +237,65 @@ func (k *Kernel) WriteSysctl(name, value string) error {
 	return nil
 }
 
+// RuleHandles lists the chains' rules as handles and digests, as
+// netfilter.Tool does: a rule's handle here is a hash of its line, so a
+// handle names the rule it was listed for until that rule goes.
+func (k *Kernel) RuleHandles(_ context.Context, table string, chains []string) (map[string]nf.ChainRules, error) {
+	k.Mu.Lock()
+	defer k.Mu.Unlock()
+	out := map[string]nf.ChainRules{}
+	for _, chain := range chains {
+		rules, ok := k.Tables[table][chain]
+		if !ok {
+			continue
+		}
+		handles := make([]uint64, len(rules))
+		for i, r := range rules {
+			handles[i] = handleOf(r)
+		}
+		out[chain] = nf.ChainRules{Handles: handles, Digest: digestOf(rules)}
+	}
+	return out, nil
+}
+
+// DeleteRules deletes rules by handle in one transaction (counted in Blocks,
+// "delete-rules" in Events), all or none: a handle no chain holds refuses
+// it. BeforeCommit can refuse it too.
+func (k *Kernel) DeleteRules(_ context.Context, table string, refs []nf.RuleRef) error {
+	k.Mu.Lock()
+	k.Events = append(k.Events, "delete-rules")
+	before := k.BeforeCommit
+	k.Mu.Unlock()
+	if before != nil {
+		if err := before(table); err != nil {
+			return err
+		}
+	}
+	k.Mu.Lock()
+	defer k.Mu.Unlock()
+	work := maps.Clone(k.Tables[table])
+	for _, ref := range refs {
+		rules := work[ref.Chain]
+		i := slices.IndexFunc(rules, func(r string) bool { return handleOf(r) == ref.Handle })
+		if i < 0 {
+			return fmt.Errorf("fake: %s/%s has no rule %x", table, ref.Chain, ref.Handle)
+		}
+		work[ref.Chain] = slices.Delete(slices.Clone(rules), i, i+1)
+	}
+	k.Tables[table] = work
+	k.Blocks++
+	if k.Observe != nil {
+		k.Observe(table, work)
+	}
+	return nil
+}
+
+func handleOf(rule string) uint64 {
+	h := fnv.New64a()
+	h.Write([]byte(rule))
+	return h.Sum64()
+}
+
 // Dump is the kernel's tables as sorted text, for comparing two kernels.
 func (k *Kernel) Dump() string {
 	k.Mu.Lock()
