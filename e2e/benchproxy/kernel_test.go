@@ -22,8 +22,8 @@ func TestProbeReadsUncommentedEndpoints(t *testing.T) {
 	k := kernel{}
 	chain := k.chain(s)
 	rules := "*nat\n:" + chain + " - [0:0]\n" +
-		"-A " + chain + " -m statistic --mode random --probability 0.5000000000 -m tcp -p tcp -j DNAT --to-destination 10.244.1.2:8080\n" +
-		"-A " + chain + " -m tcp -p tcp -j DNAT --to-destination 10.244.3.4:8080\nCOMMIT\n"
+		"-A " + chain + " -m statistic --mode random --probability 0.5000000000 -p tcp -j DNAT --to-destination 10.244.1.2:8080\n" +
+		"-A " + chain + " -p tcp -j DNAT --to-destination 10.244.3.4:8080\nCOMMIT\n"
 	tool := netfilter.Tool{Family: bus.IPv4, Writer: netfilter.WriterNetlink}
 	ns.Run(t, func() error { return tool.Prepare([]byte(rules))(context.Background()) })
 	var listed [][]string

@@ -62,8 +62,9 @@ func endpointComments(p *bus.Plan) (commented, toEndpoint int) {
 // TestGoldenLargeCluster: over 1,000 endpoints the rules that send to an
 // endpoint (inline DNATs, jumps to KUBE-SEP- chains, session affinity's
 // checks, the KUBE-SEP- chains' own rules) carry no comment, as kube-proxy's
-// in its large cluster mode; every other rule keeps its comment. The golden
-// holds the feature services' rules, the filler's left out.
+// in its large cluster mode, and no "-m tcp" before their "-p tcp"; every
+// other rule is as before. The golden holds the feature services' rules, the
+// filler's left out.
 func TestGoldenLargeCluster(t *testing.T) {
 	sticky := svc("demo", "sticky", "10.96.0.60", port("http", bus.TCP, 80))
 	sticky.AffinitySeconds = 30

@@ -79,10 +79,10 @@ func comment(text string) []string { return []string{"-m", "comment", "--comment
 // more endpoints than this, summed over the family's service ports as
 // kube-proxy sums them (each port's endpoints of the family, one per
 // address:port, ready or not), the rules that send to an endpoint (a policy
-// chain's, a KUBE-SEP- chain's) go without comments, as kube-proxy's do. Every
-// comment is an xt match the kernel's validation walk visits on each change:
-// at 10,000 services the endpoint comments are most of the walk's comments
-// (docs/architecture.md, section 7).
+// chain's, a KUBE-SEP- chain's) go without comments, as kube-proxy's do, and
+// without their empty port match (endpointProto). Each is an xt match the
+// kernel's validation walk visits on every change: at 10,000 services the
+// endpoint rules are most of the walk (docs/architecture.md, section 7).
 const largeClusterEndpoints = 1000
 
 // endpointsAtMost is at least the endpoints largeClusterEndpoints counts in
@@ -126,6 +126,17 @@ func (r *ruleWriter) endpointComment(text string) []string {
 		return nil
 	}
 	return comment(text)
+}
+
+// endpointProto is the protocol match of a rule that sends to an endpoint. It
+// has no --dport, so its "-m tcp" (udp, sctp) matches every packet "-p"
+// already matched: an xt match more for the walk, which a large cluster
+// leaves out (kube-proxy writes it; nothing else changes).
+func (r *ruleWriter) endpointProto(sp *servicePort) []string {
+	if r.largeCluster {
+		return sp.proto[2:] // "-p", p
+	}
+	return sp.proto
 }
 
 func join(parts ...[]string) []string {
@@ -451,7 +462,7 @@ func (r *ruleWriter) writeEndpoints(sp *servicePort, chain string, eps []endpoin
 				check = "--rcheck"
 			}
 			r.nat.rule(chain, r.endpointComment(sp.label+" -> "+e.addr.String()),
-				[]string{"-m", "recent", "--name", recent[i], check, "--seconds", secs, "--reap"}, sp.proto, target[i])
+				[]string{"-m", "recent", "--name", recent[i], check, "--seconds", secs, "--reap"}, r.endpointProto(sp), target[i])
 		}
 	}
 	for i, e := range eps {
@@ -462,7 +473,7 @@ func (r *ruleWriter) writeEndpoints(sp *servicePort, chain string, eps []endpoin
 		if affinity && !e.hairpin {
 			set = []string{"-m", "recent", "--name", recent[i], "--set"}
 		}
-		r.nat.rule(chain, r.endpointComment(sp.label+" -> "+e.addr.String()), pick, set, sp.proto, target[i])
+		r.nat.rule(chain, r.endpointComment(sp.label+" -> "+e.addr.String()), pick, set, r.endpointProto(sp), target[i])
 	}
 }
 
@@ -478,7 +489,7 @@ func (r *ruleWriter) writeEndpointChain(sp *servicePort, sep string, e endpoint,
 	if affinity {
 		set = []string{"-m", "recent", "--name", sep, "--set"}
 	}
-	r.nat.rule(sep, label, set, sp.proto, []string{"-j", "DNAT", "--to-destination", e.addr.String()})
+	r.nat.rule(sep, label, set, r.endpointProto(sp), []string{"-j", "DNAT", "--to-destination", e.addr.String()})
 }
 
 func probability(n int) string { return fmt.Sprintf("%0.10f", 1.0/float64(n)) }
