@@ -26,7 +26,7 @@ type ruleWriter struct {
 	checks     map[bus.ServiceKey]bus.HealthCheck
 	noLocal    bus.NoLocal
 	buckets    map[netip.Prefix]bool
-	// largeCluster: the endpoint rules go without comments (see
+	// largeCluster: the endpoint rules take their large-cluster shape (see
 	// largeClusterEndpoints); endpoints counts the endpoints written for it.
 	largeCluster bool
 	endpoints    int
@@ -85,8 +85,8 @@ func comment(text string) []string { return []string{"-m", "comment", "--comment
 // endpoint rules are most of the walk (docs/architecture.md, section 7).
 const largeClusterEndpoints = 1000
 
-// endpointsAtMost is at least the endpoints largeClusterEndpoints counts in
-// st, cheaply: every slice's endpoints times its ports.
+// endpointsAtMost bounds from above, cheaply, the endpoints
+// largeClusterEndpoints counts in st: every slice's endpoints times its ports.
 func endpointsAtMost(st bus.State, family bus.Family) int {
 	n := 0
 	for _, slices := range st.Slices {
