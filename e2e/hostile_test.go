@@ -14,7 +14,9 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/utils/ptr"
 
+	"github.com/kpipe/kpipe/bus"
 	"github.com/kpipe/kpipe/e2e/testbed"
+	"github.com/kpipe/kpipe/netfilter"
 )
 
 // Hostile and absurd input (issue 10): every input below is programmed,
@@ -367,12 +369,21 @@ func remoteRange(from, n int) []testbed.Endpoint {
 }
 
 // eventuallyEndpointRules waits until the nat table holds exactly want
-// endpoint rules (one per endpoint) for the service port.
+// endpoint rules (one per endpoint: a DNAT, or a jump to its KUBE-SEP- chain)
+// in the service port's KUBE-SVC- chain. They are counted by chain, not by their
+// comments: over 1,000 endpoints they have none, as kube-proxy's.
 func (e *env) eventuallyEndpointRules(t *testing.T, svc *corev1.Service, port string, want int) {
 	t.Helper()
-	label := `"` + testbed.ServiceComment(svc.Namespace, svc.Name, port) + " -> "
+	name := bus.ServicePortName{ServiceKey: bus.ServiceKey{Namespace: svc.Namespace, Name: svc.Name}, Port: port, Protocol: bus.TCP}
+	chain := "-A " + netfilter.ServiceChain(netfilter.PrefixService, name) + " "
 	testbed.Eventually(t, 30*time.Second, func() error {
-		if got := len(rulesMatching(e.iptablesSave("nat"), label)); got != want {
+		got := 0
+		for _, r := range rulesMatching(e.iptablesSave("nat"), chain) {
+			if strings.Contains(r, "-j DNAT ") || strings.Contains(r, "-j "+netfilter.PrefixEndpoint) {
+				got++
+			}
+		}
+		if got != want {
 			return fmt.Errorf("%d endpoint rules for %s:%s, want %d", got, svc.Name, port, want)
 		}
 		return nil

@@ -4,9 +4,11 @@ import (
 	"context"
 	"crypto/sha256"
 	"encoding/base32"
+	"encoding/binary"
 	"encoding/hex"
 	"fmt"
 	"net"
+	"net/netip"
 	"regexp"
 	"slices"
 	"strconv"
@@ -37,6 +39,10 @@ var (
 	// have no session affinity: a service chain names an endpoint chain only
 	// in its jump to it.)
 	endpointJump = regexp.MustCompile(netfilter.PrefixEndpoint + `[A-Z2-7]{16}`)
+	// "... -j DNAT --to-destination 10.244.1.2:8080": kpipe's endpoint rules
+	// over 1,000 endpoints, which leave their comments out as kube-proxy's do
+	// (iptables-save's text; netlinkChain writes a DNAT target so too).
+	dnatEndpoint = regexp.MustCompile(`--to-destination (\d+\.\d+\.\d+\.\d+):\d+`)
 	// "... vmap { 0 : goto endpoint-HASH-ns/svc/tcp/http__10.244.1.2/8080, ...}".
 	nftEndpoint = regexp.MustCompile(`__(\d+\.\d+\.\d+\.\d+)/\d+`)
 )
@@ -89,26 +95,57 @@ func (k kernel) netlinkChain(chain string) (string, error) {
 
 // matchesAndVerdicts is the data of the rules' matches and verdicts
 // (ChainExpressions' listing), one a line, raw: their endpoint comments and
-// the chain names they jump to read as in iptables-save's text.
+// the chain names they jump to read as in iptables-save's text; a DNAT
+// target is written as iptables-save writes it.
 func matchesAndVerdicts(rules [][]string) string {
 	var b strings.Builder
 	for _, r := range rules {
 		for _, e := range r {
 			name, data, _ := strings.Cut(e, " ")
-			if name != "match" && name != "immediate" {
-				continue
-			}
 			raw, _ := hex.DecodeString(data)
-			b.Write(raw)
+			switch name {
+			case "match", "immediate":
+				b.Write(raw)
+			case "target":
+				if to, ok := dnatDestination(raw); ok {
+					b.WriteString("--to-destination " + to.String())
+				}
+			}
 			b.WriteByte('\n')
 		}
 	}
 	return b.String()
 }
 
+// dnatDestination is the address an IPv4 DNAT target's data sends to: its
+// attributes (NFTA_TARGET_NAME 1, NFTA_TARGET_INFO 3) and, in the info, the
+// nf_nat_range2 (flags, min_addr, max_addr, min_proto, ...) iptables-nft writes.
+func dnatDestination(data []byte) (netip.AddrPort, bool) {
+	var name string
+	var info []byte
+	for len(data) >= 4 {
+		n, typ := int(binary.LittleEndian.Uint16(data)), binary.LittleEndian.Uint16(data[2:])&0x3fff
+		if n < 4 || n > len(data) {
+			break
+		}
+		switch typ {
+		case 1:
+			name = strings.TrimRight(string(data[4:n]), "\x00")
+		case 3:
+			info = data[4:n]
+		}
+		data = data[min(len(data), (n+3)&^3):]
+	}
+	if name != "DNAT" || len(info) < 4+16+16+2 {
+		return netip.AddrPort{}, false
+	}
+	addr, _ := netip.AddrFromSlice(info[4:8])
+	return netip.AddrPortFrom(addr, binary.BigEndian.Uint16(info[36:38])), true
+}
+
 // addresses are the endpoints a chain's text sends to, sorted: those its
-// comments name, else (iptables modes) those of the KUBE-SEP- chains it jumps
-// to (see jumpedTo).
+// comments name, else (iptables modes) those it DNATs to and those of the
+// KUBE-SEP- chains it jumps to (see jumpedTo).
 func (k kernel) addresses(s *benchService, want []string, text string) []string {
 	re := iptablesEndpoint
 	if k.nft {
@@ -119,7 +156,10 @@ func (k kernel) addresses(s *benchService, want []string, text string) []string 
 		ips = append(ips, m[1])
 	}
 	if len(ips) == 0 && !k.nft {
-		ips = jumpedTo(s, want, text)
+		for _, m := range dnatEndpoint.FindAllStringSubmatch(text, -1) {
+			ips = append(ips, m[1])
+		}
+		ips = append(ips, jumpedTo(s, want, text)...)
 	}
 	slices.Sort(ips)
 	return ips

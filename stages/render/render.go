@@ -81,6 +81,7 @@ type Renderer struct {
 	// natChains and filterChains count the cached services' parts: about the
 	// plan's chains, to size its lists.
 	natChains, filterChains int
+	largeCluster            bool // see largeClusterEndpoints
 }
 
 // cachedService is one service rendered on its own.
@@ -114,6 +115,9 @@ func (rr *Renderer) Render(snap *bus.Snapshot) *bus.Plan {
 		rr.reset()
 	}
 	rr.node = snap.State.Node
+	if len(rr.cache) == 0 {
+		rr.largeCluster = endpointsAtMost(snap.State, rr.cfg.Family) > largeClusterEndpoints
+	}
 	// The cached services first, in order (a map lookup each, not an
 	// iteration of the snapshot's map), then the snapshot's new ones.
 	var stale []bus.ServiceKey
@@ -139,6 +143,7 @@ func (rr *Renderer) Render(snap *bus.Snapshot) *bus.Plan {
 		}
 		rr.addKeys(added)
 	}
+	rr.followClusterSize(snap)
 
 	// The sections of the shared chains, which no one service writes.
 	fixed := newRuleWriter(rr.cfg, snap)
@@ -179,6 +184,7 @@ func (rr *Renderer) rendered(snap *bus.Snapshot, key bus.ServiceKey) *cachedServ
 		return nil
 	}
 	one := newRuleWriter(rr.cfg, snap)
+	one.largeCluster = rr.largeCluster
 	for _, port := range svc.Ports {
 		one.writeServicePort(svc, port)
 	}
@@ -286,6 +292,7 @@ type rendering struct {
 	checks      []healthCheck
 	noLocal     bus.NoLocal
 	buckets     []netip.Prefix
+	endpoints   int32 // as kube-proxy counts them (largeClusterEndpoints)
 }
 
 // part is one chain's rules from one service: the whole of a per-service
@@ -312,7 +319,7 @@ type healthCheck struct {
 
 // compact is what the cache keeps of one service's ruleWriter.
 func (r *ruleWriter) compact() rendering {
-	out := rendering{nat: r.nat.parts(), filter: r.filter.parts(), noLocal: r.noLocal}
+	out := rendering{nat: r.nat.parts(), filter: r.filter.parts(), noLocal: r.noLocal, endpoints: int32(r.endpoints)}
 	r.nat.release()
 	r.filter.release()
 	for k, v := range r.udp {

@@ -26,6 +26,10 @@ type ruleWriter struct {
 	checks     map[bus.ServiceKey]bus.HealthCheck
 	noLocal    bus.NoLocal
 	buckets    map[netip.Prefix]bool
+	// largeCluster: the endpoint rules take their large-cluster shape (see
+	// largeClusterEndpoints); endpoints counts the endpoints written for it.
+	largeCluster bool
+	endpoints    int
 }
 
 func newRuleWriter(cfg Config, snap *bus.Snapshot) *ruleWriter {
@@ -70,6 +74,70 @@ func (r *ruleWriter) localDetector() (isLocal, isNotLocal []string) {
 }
 
 func comment(text string) []string { return []string{"-m", "comment", "--comment", `"` + text + `"`} }
+
+// largeClusterEndpoints is kube-proxy's largeClusterEndpointsThreshold: with
+// more endpoints than this, summed over the family's service ports as
+// kube-proxy sums them (each port's endpoints of the family, one per
+// address:port, ready or not), the rules that send to an endpoint (a policy
+// chain's, a KUBE-SEP- chain's) go without comments, as kube-proxy's do, and
+// without their empty port match (endpointProto). Each is an xt match the
+// kernel's validation walk visits on every change: at 10,000 services the
+// endpoint rules are most of the walk (docs/architecture.md, section 7).
+const largeClusterEndpoints = 1000
+
+// endpointsAtMost bounds from above, cheaply, the endpoints
+// largeClusterEndpoints counts in st: every slice's endpoints times its ports.
+func endpointsAtMost(st bus.State, family bus.Family) int {
+	n := 0
+	for _, slices := range st.Slices {
+		for _, sl := range slices {
+			if sl.Family == family {
+				n += len(sl.Items) * len(sl.Ports)
+			}
+		}
+	}
+	return n
+}
+
+// followClusterSize renders every cached service again when the cluster's
+// endpoints crossed largeClusterEndpoints (either way) since they were
+// rendered: their endpoint rules gain or lose their comments, so each chain
+// holding some is written once. A render with nothing cached starts from
+// endpointsAtMost's guess, which is wrong only with at most 1,000 endpoints
+// counted, where rendering again is cheap: a first sync at 10,000 services
+// renders once.
+func (rr *Renderer) followClusterSize(snap *bus.Snapshot) {
+	n := 0
+	for _, c := range rr.services {
+		n += int(c.r.endpoints)
+	}
+	if large := n > largeClusterEndpoints; large != rr.largeCluster {
+		rr.largeCluster = large
+		for _, key := range rr.keys {
+			rr.replace(key, rr.cache[key], rr.rendered(snap, key))
+		}
+	}
+}
+
+// endpointComment is the comment of a rule that sends to an endpoint: none in
+// a large cluster.
+func (r *ruleWriter) endpointComment(text string) []string {
+	if r.largeCluster {
+		return nil
+	}
+	return comment(text)
+}
+
+// endpointProto is the protocol match of a rule that sends to an endpoint. It
+// has no --dport, so its "-m tcp" (udp, sctp) matches every packet "-p"
+// already matched: an xt match more for the walk, which a large cluster
+// leaves out (kube-proxy writes it; nothing else changes).
+func (r *ruleWriter) endpointProto(sp *servicePort) []string {
+	if r.largeCluster {
+		return sp.proto[2:] // "-p", p
+	}
+	return sp.proto
+}
 
 func join(parts ...[]string) []string {
 	var out []string
@@ -163,6 +231,7 @@ func (r *ruleWriter) writeServicePort(svc *bus.Service, port bus.Port) {
 		podCIDRs = node.PodCIDRs
 	}
 	eps := endpointsFor(r.snap.State.Slices[svc.ServiceKey], r.cfg.Family, port, r.cfg.NodeName, podCIDRs)
+	r.endpoints += len(eps)
 	sp.endpoints = categorize(eps, usesCluster, usesLocal, r.cfg.NodeName, r.zone)
 	r.writeRules(sp)
 }
@@ -392,8 +461,8 @@ func (r *ruleWriter) writeEndpoints(sp *servicePort, chain string, eps []endpoin
 			if e.hairpin {
 				check = "--rcheck"
 			}
-			r.nat.rule(chain, comment(sp.label+" -> "+e.addr.String()),
-				[]string{"-m", "recent", "--name", recent[i], check, "--seconds", secs, "--reap"}, sp.proto, target[i])
+			r.nat.rule(chain, r.endpointComment(sp.label+" -> "+e.addr.String()),
+				[]string{"-m", "recent", "--name", recent[i], check, "--seconds", secs, "--reap"}, r.endpointProto(sp), target[i])
 		}
 	}
 	for i, e := range eps {
@@ -404,7 +473,7 @@ func (r *ruleWriter) writeEndpoints(sp *servicePort, chain string, eps []endpoin
 		if affinity && !e.hairpin {
 			set = []string{"-m", "recent", "--name", recent[i], "--set"}
 		}
-		r.nat.rule(chain, comment(sp.label+" -> "+e.addr.String()), pick, set, sp.proto, target[i])
+		r.nat.rule(chain, r.endpointComment(sp.label+" -> "+e.addr.String()), pick, set, r.endpointProto(sp), target[i])
 	}
 }
 
@@ -414,13 +483,13 @@ func (r *ruleWriter) writeEndpointChain(sp *servicePort, sep string, e endpoint,
 	if _, done := r.nat.chains[sep]; done {
 		return
 	}
-	label := comment(sp.label)
+	label := r.endpointComment(sp.label)
 	r.nat.rule(sep, label, []string{"-s", hostCIDR(e.addr.Addr()), "-j", nf.ChainMarkMasq})
 	var set []string
 	if affinity {
 		set = []string{"-m", "recent", "--name", sep, "--set"}
 	}
-	r.nat.rule(sep, label, set, sp.proto, []string{"-j", "DNAT", "--to-destination", e.addr.String()})
+	r.nat.rule(sep, label, set, r.endpointProto(sp), []string{"-j", "DNAT", "--to-destination", e.addr.String()})
 }
 
 func probability(n int) string { return fmt.Sprintf("%0.10f", 1.0/float64(n)) }
