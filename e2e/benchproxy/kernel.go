@@ -57,9 +57,13 @@ func (k kernel) chain(s *benchService) string {
 }
 
 // endpoints are the addresses s's chain sends to now, sorted (see addresses;
-// want is what s's endpoints are); none when the chain does not exist (yet).
-// The iptables modes' chain is read over nf_tables netlink (a fraction of a
-// millisecond); nftables mode's with nft.
+// want is what s's endpoints are); none when the chain is empty or does not
+// exist (a nat chain that is not there lists empty over netlink). The
+// iptables modes' chain is read over nf_tables netlink (a fraction of a
+// millisecond); nftables mode's with nft, which fails on a chain that is not
+// there: kube-proxy flushes a deleted service's chain at once and deletes it
+// a second later. A chain that could not be read shows as the error, which
+// no service wants: a failed read never passes for a deleted service.
 func (k kernel) endpoints(s *benchService, want []string) []string {
 	var (
 		text string
@@ -71,7 +75,7 @@ func (k kernel) endpoints(s *benchService, want []string) []string {
 		text, err = k.netlinkChain(k.chain(s))
 	}
 	if err != nil {
-		return nil
+		return []string{"unreadable: " + err.Error()}
 	}
 	return k.addresses(s, want, text)
 }
