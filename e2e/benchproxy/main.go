@@ -305,7 +305,7 @@ func benchOne(ctx context.Context, tb *testbed.Testbed, w *workload, proxy, bin 
 	if err != nil {
 		return r, err
 	}
-	seen, err := k.waitFor(w.svcs[len(w.svcs)-1], firstSyncLimit, alive)
+	seen, err := k.waitFor(w.svcs[len(w.svcs)-1], firstSyncLimit, alive, false)
 	if err != nil {
 		if alive() == nil {
 			return r, fmt.Errorf("%w: %v", errSlowFirstSync, err)
@@ -351,7 +351,7 @@ func benchOne(ctx context.Context, tb *testbed.Testbed, w *workload, proxy, bin 
 	r.churnTook = took
 	// The last update's chain is cheap to poll; a dump then shows whether
 	// everything else was there too, or is waited for.
-	seen, err = k.waitFor(lastSvc, 5*time.Minute, alive)
+	seen, err = k.waitFor(lastSvc, 5*time.Minute, alive, false)
 	if err != nil {
 		return r, fmt.Errorf("after the churn: %w", err)
 	}
@@ -383,11 +383,11 @@ func benchOne(ctx context.Context, tb *testbed.Testbed, w *workload, proxy, bin 
 // measureKinds measures each kind of change, isolated (gap after the one
 // before showed), into r.
 func measureKinds(ctx context.Context, w *workload, k kernel, alive func() error, gap time.Duration, r *result) error {
-	eps, err := changeSeries(ctx, w, k, alive, gap, kindsBudget, w.endpointKinds()...)
+	eps, err := changeSeries(ctx, k, alive, gap, kindsBudget, w.svcs, w.endpointKinds()...)
 	if err != nil {
 		return err
 	}
-	svcs, err := changeSeries(ctx, w, k, alive, gap, kindsBudget, w.serviceKinds()...)
+	svcs, err := changeSeries(ctx, k, alive, gap, kindsBudget, w.clusterIPOnly(), w.serviceKinds()...)
 	if err != nil {
 		return err
 	}

@@ -106,6 +106,18 @@ func (w *workload) grow(ctx context.Context, n int) error {
 	})
 }
 
+// clusterIPOnly are the services that are not NodePorts: a ClusterIP
+// service's chain is reached from the dispatch alone (see kernel.reached).
+func (w *workload) clusterIPOnly() []*benchService {
+	var out []*benchService
+	for _, s := range w.svcs {
+		if s.spec.Spec.Type == corev1.ServiceTypeClusterIP {
+			out = append(out, s)
+		}
+	}
+	return out
+}
+
 // sliceWith is the service's EndpointSlice holding ips, each on one of the
 // remote nodes; it carries the stored slice's resourceVersion once there is one.
 func (s *benchService) sliceWith(ips []string) *discoveryv1.EndpointSlice {
