@@ -1,15 +1,22 @@
 // Command benchproxy measures kpipe and upstream kube-proxy (iptables and
 // nftables modes) side by side against the e2e test bed's real
-// kube-apiserver: N services (a tenth NodePort) with 10 endpoints each, the
-// proxies one after the other, each in a fresh node namespace with the same
-// flags, at --iptables-min-sync-period 1s and 0. Every figure of rules comes
-// from the kernel (iptables or nft listing a chain, nf_tables notifications), none from
-// a proxy's own metrics (but for when a restarted kpipe says it has synced,
-// which the kernel cannot show: nothing changes there). Needs root. Run from
-// the repository:
+// kube-apiserver: N services (a tenth NodePort, 2,000 at most) with 10
+// endpoints each, the proxies one after the other, each in a fresh node
+// namespace with the same flags, at --iptables-min-sync-period 1s and 0.
+// Every figure of rules comes from the kernel (iptables or nft listing a
+// chain, nf_tables notifications), none from a proxy's own metrics (but for
+// when a restarted kpipe says it has synced, which the kernel cannot show:
+// nothing changes there). Needs root. Run from the repository:
 //
 //	go tool task bench-proxy                 # BENCH_N=1000
 //	BENCH_N=10000 go tool task bench-proxy   # about 40 minutes on 2 cores
+//
+// Beside first sync, change latency, churn, RSS and CPU, each run measures
+// first packets through ClusterIPs from a client pod, and at the shortest
+// min-sync period each kind of change one at a time (an endpoint removed or
+// added, a Service deleted or added). The scale curve, a table by size:
+//
+//	BENCH_PROXIES=kpipe BENCH_MIN_SYNC=0s BENCH_N=1000,10000,30000,50000 go tool task bench-proxy
 //
 // BENCH_N is one size or several ("1000,10000"); BENCH_PROXIES a subset of
 // "kpipe,iptables,nftables"; BENCH_MIN_SYNC the min-sync-periods ("1s,0s");
