@@ -186,25 +186,45 @@ func jumpedTo(s *benchService, want []string, text string) []string {
 	return jumps
 }
 
-// waitFor polls s's chain until it sends to exactly s's endpoints now and
-// returns when it saw that.
-func (k kernel) waitFor(s *benchService, timeout time.Duration, alive func() error) (time.Time, error) {
+// waitFor polls s's chain until the kernel holds s as the API says now (see
+// holds) and returns when it saw that.
+func (k kernel) waitFor(s *benchService, timeout time.Duration, alive func() error, dispatch bool) (time.Time, error) {
 	want := s.want()
 	deadline := time.Now().Add(timeout)
 	for {
-		got := k.endpoints(s, want)
+		ok, got := k.holds(s, want, dispatch)
 		seen := time.Now()
-		if slices.Equal(got, want) {
+		if ok {
 			return seen, nil
 		}
 		if err := alive(); err != nil {
 			return seen, err
 		}
 		if seen.After(deadline) {
-			return seen, fmt.Errorf("%s: chain %s sends to %v, not %v after %v", s.svc.Name, k.chain(s), got, want, timeout)
+			return seen, fmt.Errorf("%s: chain %s %s, not %v after %v", s.svc.Name, k.chain(s), got, want, timeout)
 		}
 		time.Sleep(2 * time.Millisecond)
 	}
+}
+
+// holds reports whether s's chain sends to exactly want, and what it does
+// when not. With dispatch, the chain must also be reached (see reached),
+// and a deleted service (want nil) is gone once its chain is not, whatever
+// the chain still holds.
+func (k kernel) holds(s *benchService, want []string, dispatch bool) (bool, string) {
+	if dispatch {
+		reached, err := k.reached(s)
+		switch {
+		case err != nil:
+			return false, err.Error()
+		case want == nil:
+			return !reached, "is still reached"
+		case !reached:
+			return false, "is not reached"
+		}
+	}
+	got := k.endpoints(s, want)
+	return slices.Equal(got, want), fmt.Sprintf("sends to %v", got)
 }
 
 // mismatches dumps the whole ruleset once and counts the services whose

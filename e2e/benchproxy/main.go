@@ -1,15 +1,22 @@
 // Command benchproxy measures kpipe and upstream kube-proxy (iptables and
 // nftables modes) side by side against the e2e test bed's real
-// kube-apiserver: N services (a tenth NodePort) with 10 endpoints each, the
-// proxies one after the other, each in a fresh node namespace with the same
-// flags, at --iptables-min-sync-period 1s and 0. Every figure of rules comes
-// from the kernel (iptables or nft listing a chain, nf_tables notifications), none from
-// a proxy's own metrics (but for when a restarted kpipe says it has synced,
-// which the kernel cannot show: nothing changes there). Needs root. Run from
-// the repository:
+// kube-apiserver: N services (a tenth NodePort, 2,000 at most) with 10
+// endpoints each, the proxies one after the other, each in a fresh node
+// namespace with the same flags, at --iptables-min-sync-period 1s and 0.
+// Every figure of rules comes from the kernel (iptables or nft listing a
+// chain, nf_tables notifications), none from a proxy's own metrics (but for
+// when a restarted kpipe says it has synced, which the kernel cannot show:
+// nothing changes there). Needs root. Run from the repository:
 //
 //	go tool task bench-proxy                 # BENCH_N=1000
 //	BENCH_N=10000 go tool task bench-proxy   # about 40 minutes on 2 cores
+//
+// Beside first sync, change latency, churn, RSS and CPU, each run measures
+// first packets through ClusterIPs from a client pod, and at the shortest
+// min-sync period each kind of change one at a time (an endpoint removed or
+// added, a Service deleted or added). The scale curve, a table by size:
+//
+//	BENCH_PROXIES=kpipe BENCH_MIN_SYNC=0s BENCH_N=1000,10000,30000,50000 go tool task bench-proxy
 //
 // BENCH_N is one size or several ("1000,10000"); BENCH_PROXIES a subset of
 // "kpipe,iptables,nftables"; BENCH_MIN_SYNC the min-sync-periods ("1s,0s");
@@ -25,7 +32,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"math/rand/v2"
 	"os"
 	"os/signal"
 	"slices"
@@ -43,8 +49,14 @@ const (
 	// a change at 10,000 services; any proxy ~1.1 s a change isolated at
 	// min-sync 1 s): it stops after this long, with at least minChanges
 	// changes, and the row says how many it made. At 60 s, BENCH_N=1000 took
-	// 9m57s of its 10 minutes once the restarts were measured both ways.
-	seriesBudget = 45 * time.Second
+	// 9m57s of its 10 minutes once the restarts were measured both ways; 30 s
+	// and kindsBudget leave room for the kinds of change and the first
+	// packets.
+	seriesBudget = 30 * time.Second
+	// kindsBudget bounds each pair of kinds (endpoint removed and added,
+	// service deleted and added), measured at the shortest min-sync period
+	// only: at 1 s each change would wait 1.1 s first.
+	kindsBudget  = 20 * time.Second
 	minChanges   = 5
 	churnUpdates = 2000 // endpoint changes in the churn
 	churnSpread  = 10 * time.Second
@@ -160,7 +172,8 @@ func run() int {
 				}
 				seq++
 				k := runKey{n, proxy, minSync}
-				r, err := benchOne(ctx, tb, w, proxy, bins[proxy], minSync, seq)
+				kinds := minSync == slices.Min(cfg.minSyncs)
+				r, err := benchOne(ctx, tb, w, proxy, bins[proxy], minSync, kinds, seq)
 				if errors.Is(err, errSlowFirstSync) {
 					slow = true
 					fmt.Printf("%-9s %-8v first sync did not finish within %v\n", proxy, minSync, firstSyncLimit)
@@ -180,6 +193,7 @@ func run() int {
 		}
 	}
 	printRatios(cfg, results)
+	printScale(cfg, results)
 	logf("done in %v (test bed %s)", time.Since(began).Round(time.Second), tb.Dir)
 	if failed {
 		return 1
@@ -242,24 +256,39 @@ type runKey struct {
 
 type result struct {
 	firstSync  time.Duration
-	isolated   []time.Duration // sorted
-	backToBack []time.Duration // sorted
-	churnTook  time.Duration
-	churnTxns  int
-	churnBytes int
-	churnLost  bool // notifications were lost: the counts are low
-	converge   time.Duration
-	usage      usage
-	restart    restarted // kpipe only
+	isolated   []time.Duration // sorted, as every series
+	backToBack []time.Duration
+	// The kinds of change, isolated, at the shortest min-sync period only.
+	epRemoved, epAdded   []time.Duration
+	svcDeleted, svcAdded []time.Duration
+	// First packets: connect times through ClusterIPs, and through no
+	// proxy (to endpoints, before the proxy started).
+	connect, noProxy []time.Duration
+	churnTook        time.Duration
+	churnTxns        int
+	churnBytes       int
+	churnLost        bool // notifications were lost: the counts are low
+	converge         time.Duration
+	usage            usage
+	restart          restarted // kpipe only
 }
 
-// benchOne runs proxy in a fresh node namespace through every phase.
-func benchOne(ctx context.Context, tb *testbed.Testbed, w *workload, proxy, bin string, minSync time.Duration, seq int) (r result, err error) {
+// benchOne runs proxy in a fresh node namespace through every phase; the
+// kinds of change too when kinds.
+func benchOne(ctx context.Context, tb *testbed.Testbed, w *workload, proxy, bin string, minSync time.Duration, kinds bool, seq int) (r result, err error) {
 	node, err := tb.NewFreshNode(fmt.Sprintf("bench%d", seq))
 	if err != nil {
 		return r, err
 	}
 	defer func() { err = errors.Join(err, node.Close()) }()
+	path, err := newPacketPath(tb, node, strconv.Itoa(seq))
+	if err != nil {
+		return r, fmt.Errorf("first-packet path: %w", err)
+	}
+	defer path.close()
+	if r.noProxy, err = path.connectTimes(endpointTargets(w.svcs)); err != nil {
+		return r, fmt.Errorf("first packets, no proxy: %w", err)
+	}
 	mode := proxy
 	if proxy == "kpipe" {
 		mode = "iptables"
@@ -283,7 +312,7 @@ func benchOne(ctx context.Context, tb *testbed.Testbed, w *workload, proxy, bin 
 	if err != nil {
 		return r, err
 	}
-	seen, err := k.waitFor(w.svcs[len(w.svcs)-1], firstSyncLimit, alive)
+	seen, err := k.waitFor(w.svcs[len(w.svcs)-1], firstSyncLimit, alive, false)
 	if err != nil {
 		if alive() == nil {
 			return r, fmt.Errorf("%w: %v", errSlowFirstSync, err)
@@ -296,6 +325,9 @@ func benchOne(ctx context.Context, tb *testbed.Testbed, w *workload, proxy, bin 
 	if _, err := k.waitAll(w.svcs, time.Minute, alive); err != nil {
 		return r, fmt.Errorf("after the first sync: %w", err)
 	}
+	if r.connect, err = path.connectTimes(clusterTargets(w.svcs)); err != nil {
+		return r, fmt.Errorf("first packets: %w", err)
+	}
 
 	// One endpoint change at a time: isolated (the proxy idle, its min-sync
 	// period passed), then back to back.
@@ -304,6 +336,11 @@ func benchOne(ctx context.Context, tb *testbed.Testbed, w *workload, proxy, bin 
 	}
 	if r.backToBack, err = latencies(ctx, w, k, alive, 0); err != nil {
 		return r, fmt.Errorf("back-to-back changes: %w", err)
+	}
+	if kinds {
+		if err := measureKinds(ctx, w, k, alive, minSync+100*time.Millisecond, &r); err != nil {
+			return r, err
+		}
 	}
 
 	// Churn, its writes counted by the kernel's notifications from its start
@@ -321,7 +358,7 @@ func benchOne(ctx context.Context, tb *testbed.Testbed, w *workload, proxy, bin 
 	r.churnTook = took
 	// The last update's chain is cheap to poll; a dump then shows whether
 	// everything else was there too, or is waited for.
-	seen, err = k.waitFor(lastSvc, 5*time.Minute, alive)
+	seen, err = k.waitFor(lastSvc, 5*time.Minute, alive, false)
 	if err != nil {
 		return r, fmt.Errorf("after the churn: %w", err)
 	}
@@ -348,6 +385,21 @@ func benchOne(ctx context.Context, tb *testbed.Testbed, w *workload, proxy, bin 
 		}
 	}
 	return r, nil
+}
+
+// measureKinds measures each kind of change, isolated (gap after the one
+// before showed), into r.
+func measureKinds(ctx context.Context, w *workload, k kernel, alive func() error, gap time.Duration, r *result) error {
+	eps, err := changeSeries(ctx, k, alive, gap, kindsBudget, w.svcs, w.endpointKinds()...)
+	if err != nil {
+		return err
+	}
+	svcs, err := changeSeries(ctx, k, alive, gap, kindsBudget, w.clusterIPOnly(), w.serviceKinds()...)
+	if err != nil {
+		return err
+	}
+	r.epRemoved, r.epAdded, r.svcDeleted, r.svcAdded = eps[0], eps[1], svcs[0], svcs[1]
+	return nil
 }
 
 // restartRounds is how often kpipe is restarted each way, for medians.
@@ -481,139 +533,5 @@ func running(ctx context.Context, p *testbed.Process, what string) func() error 
 			return fmt.Errorf("%s exited: %v\n--- log (%s):\n%s", what, p.ExitErr(), p.LogPath, p.Tail(20))
 		}
 		return ctx.Err()
-	}
-}
-
-// changeOne replaces one endpoint of a random service and waits, up to
-// limit, for the kernel to hold it: when the API write began, how long it
-// took, and when the kernel was seen holding the change.
-func changeOne(ctx context.Context, w *workload, k kernel, alive func() error, limit time.Duration) (began time.Time, wrote time.Duration, seen time.Time, err error) {
-	s := w.svcs[rand.IntN(len(w.svcs))]
-	began = time.Now()
-	if err = w.replaceEndpoint(ctx, s); err != nil {
-		return began, 0, time.Time{}, err
-	}
-	wrote = time.Since(began)
-	seen, err = k.waitFor(s, limit, alive)
-	return began, wrote, seen, err
-}
-
-// latencies makes changeCount endpoint changes (fewer past seriesBudget), each at a random service,
-// the next gap after the previous one showed in the kernel, and returns how
-// long each took from the API write to the kernel, sorted.
-func latencies(ctx context.Context, w *workload, k kernel, alive func() error, gap time.Duration) ([]time.Duration, error) {
-	out := make([]time.Duration, 0, changeCount)
-	var api []time.Duration // the API writes alone: the floor of every figure
-	defer func() {
-		slices.Sort(api)
-		if len(api) > 0 {
-			logf("%d API writes (gap %v) took p50/p99 %s/%s ms", len(api), gap, ms(percentile(api, 50)), ms(percentile(api, 99)))
-		}
-	}()
-	began := time.Now()
-	for range changeCount {
-		if len(out) >= minChanges && time.Since(began) > seriesBudget {
-			break
-		}
-		time.Sleep(gap)
-		t, wrote, seen, err := changeOne(ctx, w, k, alive, 2*time.Minute)
-		if err != nil {
-			return nil, err
-		}
-		api = append(api, wrote)
-		out = append(out, seen.Sub(t))
-	}
-	slices.Sort(out)
-	return out, nil
-}
-
-// percentile is the nearest-rank p-th percentile of sorted.
-func percentile(sorted []time.Duration, p int) time.Duration {
-	i := (len(sorted)*p+99)/100 - 1
-	return sorted[max(i, 0)]
-}
-
-func ms(d time.Duration) string {
-	return strconv.FormatInt(d.Round(time.Millisecond).Milliseconds(), 10)
-}
-
-// msList is sorted in milliseconds: "[2950 3131 3200]".
-func msList(sorted []time.Duration) string {
-	out := make([]string, len(sorted))
-	for i, d := range sorted {
-		out[i] = ms(d)
-	}
-	return "[" + strings.Join(out, " ") + "]"
-}
-
-// series is a latency series' p50/p99, with its size when the budget cut it short.
-func series(sorted []time.Duration) string {
-	out := ms(percentile(sorted, 50)) + "/" + ms(percentile(sorted, 99))
-	if len(sorted) < changeCount {
-		out += fmt.Sprintf("(n=%d)", len(sorted))
-	}
-	return out
-}
-
-func printHeader(n int) {
-	fmt.Printf("\nN=%d services x %d endpoints (every %dth NodePort); times in ms; churn: %d updates paced over %v\n",
-		n, endpointsPerSvc, nodePortEvery, churnUpdates, churnSpread)
-	fmt.Printf("%-9s %-8s %10s %15s %15s %9s %6s %11s %9s %8s %7s\n",
-		"proxy", "min-sync", "first-sync", "isolated p50/99", "b2b p50/99", "churn-api", "txns", "bytes", "converge", "RSS-MiB", "CPU-s")
-}
-
-func printRow(proxy string, minSync time.Duration, r result) {
-	lost := ""
-	if r.churnLost {
-		lost = " (notifications lost: txns and bytes low)"
-	}
-	fmt.Printf("%-9s %-8v %10s %15s %15s %9s %6d %11d %9s %8.1f %7.1f%s\n",
-		proxy, minSync, ms(r.firstSync),
-		series(r.isolated), series(r.backToBack),
-		ms(r.churnTook), r.churnTxns, r.churnBytes, ms(r.converge),
-		float64(r.usage.peakRSSKiB)/1024, r.usage.cpu.Seconds(), lost)
-	if proxy == "kpipe" {
-		lost = ""
-		if r.restart.lost {
-			lost = " (notifications lost: txns and bytes low)"
-		}
-		rs := r.restart
-		fmt.Printf("%-9s %-8v restarted over its rules, a change made as it starts: in the kernel after %s ms (median of %v); written meanwhile at most %d txns, %d bytes%s\n",
-			"", "", ms(percentile(rs.change, 50)), msList(rs.change), rs.txns, rs.bytes, lost)
-		fmt.Printf("%-9s %-8v restarted, nothing changed: synced in %s ms (%v), writing at most %d txns, %d bytes; the first change after it %s ms (%v)\n",
-			"", "", ms(percentile(rs.synced, 50)), msList(rs.synced), rs.syncedTxns, rs.syncedBytes, ms(percentile(rs.changeSynced, 50)), msList(rs.changeSynced))
-	}
-}
-
-// printRatios prints kpipe's figures over kube-proxy's at the largest N, per
-// mode and min-sync period.
-func printRatios(cfg config, results map[runKey]result) {
-	n := cfg.sizes[len(cfg.sizes)-1]
-	fmt.Printf("\nkpipe/kube-proxy ratios at N=%d (below 1: kpipe less)\n", n)
-	ratio := func(a, b float64) string {
-		if b == 0 {
-			return "-"
-		}
-		return strconv.FormatFloat(a/b, 'f', 2, 64)
-	}
-	dur := func(a, b time.Duration) string { return ratio(float64(a), float64(b)) }
-	for _, minSync := range cfg.minSyncs {
-		kp, ok := results[runKey{n, "kpipe", minSync}]
-		if !ok {
-			continue
-		}
-		for _, mode := range []string{"iptables", "nftables"} {
-			up, ok := results[runKey{n, mode, minSync}]
-			if !ok {
-				continue
-			}
-			fmt.Printf("kpipe/%s min-sync %v: first-sync %s, isolated p50 %s p99 %s, b2b p50 %s p99 %s, churn txns %s bytes %s converge %s, RSS %s, CPU %s\n",
-				mode, minSync, dur(kp.firstSync, up.firstSync),
-				dur(percentile(kp.isolated, 50), percentile(up.isolated, 50)), dur(percentile(kp.isolated, 99), percentile(up.isolated, 99)),
-				dur(percentile(kp.backToBack, 50), percentile(up.backToBack, 50)), dur(percentile(kp.backToBack, 99), percentile(up.backToBack, 99)),
-				ratio(float64(kp.churnTxns), float64(up.churnTxns)), ratio(float64(kp.churnBytes), float64(up.churnBytes)),
-				dur(kp.converge, up.converge),
-				ratio(float64(kp.usage.peakRSSKiB), float64(up.usage.peakRSSKiB)), dur(kp.usage.cpu, up.usage.cpu))
-		}
 	}
 }

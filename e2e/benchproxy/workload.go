@@ -11,6 +11,7 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	discoveryv1 "k8s.io/api/discovery/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/client-go/kubernetes"
 
 	"github.com/kpipe/kpipe/e2e/testbed"
 )
@@ -19,7 +20,9 @@ const (
 	benchNamespace   = "bench"
 	portName         = "http"
 	endpointsPerSvc  = 10
-	nodePortEvery    = 10 // every tenth service is a NodePort
+	nodePortEvery    = 10   // every tenth service is a NodePort,
+	maxNodePorts     = 2000 // up to this many: the default range holds 2,768
+	servicePort      = 80
 	apiWorkers       = 16
 	remoteNodes      = 100 // endpoints are spread over this many other nodes
 	remoteNodePrefix = "kpbench-node-"
@@ -29,27 +32,47 @@ const (
 // what the endpoints are now (what the kernel must come to show).
 type workload struct {
 	tb   *testbed.Testbed
+	bulk kubernetes.Interface // a client without the test bed's 200 writes a second, for grow
 	svcs []*benchService
 }
 
 type benchService struct {
-	mu    sync.Mutex
-	svc   *corev1.Service
-	slice *discoveryv1.EndpointSlice // as stored: its resourceVersion is current
-	ips   []string                   // the endpoints' addresses, sorted
+	mu      sync.Mutex
+	spec    *corev1.Service            // what it is created from
+	svc     *corev1.Service            // as stored: its ClusterIP
+	slice   *discoveryv1.EndpointSlice // as stored: its resourceVersion is current
+	ips     []string                   // the endpoints' addresses, sorted
+	deleted bool                       // the Service is deleted (its slice stays)
 }
 
+// want are the endpoints s's chain must send to now: none while the Service
+// is deleted.
 func (s *benchService) want() []string {
 	s.mu.Lock()
 	defer s.mu.Unlock()
+	if s.deleted {
+		return nil
+	}
 	return s.ips
+}
+
+func (s *benchService) clusterIP() string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.svc.Spec.ClusterIP
 }
 
 func newWorkload(ctx context.Context, tb *testbed.Testbed) (*workload, error) {
 	if err := tb.CreateNamespace(ctx, benchNamespace); err != nil {
 		return nil, err
 	}
-	return &workload{tb: tb}, nil
+	cfg := tb.RESTConfig()
+	cfg.QPS = -1 // no client-side limit: 50,000 services are 100,000 writes
+	bulk, err := kubernetes.NewForConfig(cfg)
+	if err != nil {
+		return nil, err
+	}
+	return &workload{tb: tb, bulk: bulk}, nil
 }
 
 // grow creates services up to n in all (the apiserver allocates their
@@ -63,17 +86,17 @@ func (w *workload) grow(ctx context.Context, n int) error {
 	w.svcs = append(w.svcs, make([]*benchService, n-from)...)
 	return parallel(n-from, func(k int) error {
 		i := from + k
-		spec := testbed.Service(benchNamespace, fmt.Sprintf("svc-%05d", i), testbed.Port(portName, corev1.ProtocolTCP, 80, testbed.EchoPort))
-		if i%nodePortEvery == nodePortEvery-1 {
+		spec := testbed.Service(benchNamespace, fmt.Sprintf("svc-%05d", i), testbed.Port(portName, corev1.ProtocolTCP, servicePort, testbed.EchoPort))
+		if i%nodePortEvery == nodePortEvery-1 && i < maxNodePorts*nodePortEvery {
 			spec.Spec.Type = corev1.ServiceTypeNodePort
 		}
-		svc, err := w.tb.CreateService(ctx, spec)
+		svc, err := w.bulk.CoreV1().Services(benchNamespace).Create(ctx, spec, metav1.CreateOptions{})
 		if err != nil {
-			return err
+			return fmt.Errorf("create service %s: %w", spec.Name, err)
 		}
 		ips := randomIPs(endpointsPerSvc, nil)
-		s := &benchService{svc: svc}
-		slice, err := w.tb.Client().DiscoveryV1().EndpointSlices(benchNamespace).Create(ctx, s.sliceWith(ips), metav1.CreateOptions{})
+		s := &benchService{spec: spec, svc: svc}
+		slice, err := w.bulk.DiscoveryV1().EndpointSlices(benchNamespace).Create(ctx, s.sliceWith(ips), metav1.CreateOptions{})
 		if err != nil {
 			return fmt.Errorf("create endpoint slice of %s: %w", svc.Name, err)
 		}
@@ -81,6 +104,18 @@ func (w *workload) grow(ctx context.Context, n int) error {
 		w.svcs[i] = s
 		return nil
 	})
+}
+
+// clusterIPOnly are the services that are not NodePorts: a ClusterIP
+// service's chain is reached from the dispatch alone (see kernel.reached).
+func (w *workload) clusterIPOnly() []*benchService {
+	var out []*benchService
+	for _, s := range w.svcs {
+		if s.spec.Spec.Type == corev1.ServiceTypeClusterIP {
+			out = append(out, s)
+		}
+	}
+	return out
 }
 
 // sliceWith is the service's EndpointSlice holding ips, each on one of the
@@ -100,15 +135,62 @@ func (s *benchService) sliceWith(ips []string) *discoveryv1.EndpointSlice {
 // replaceEndpoint swaps one endpoint of s for a new address: one
 // EndpointSlice update.
 func (w *workload) replaceEndpoint(ctx context.Context, s *benchService) error {
+	return w.updateEndpoints(ctx, s, func(ips []string) []string {
+		ips[rand.IntN(len(ips))] = randomIPs(1, ips)[0]
+		return ips
+	})
+}
+
+// removeEndpoint takes one endpoint out of s: one EndpointSlice update.
+func (w *workload) removeEndpoint(ctx context.Context, s *benchService) error {
+	return w.updateEndpoints(ctx, s, func(ips []string) []string {
+		return slices.Delete(ips, 0, 1)
+	})
+}
+
+// addEndpoint gives s one endpoint more: one EndpointSlice update.
+func (w *workload) addEndpoint(ctx context.Context, s *benchService) error {
+	return w.updateEndpoints(ctx, s, func(ips []string) []string {
+		return append(ips, randomIPs(1, ips)...)
+	})
+}
+
+// updateEndpoints writes s's slice with the endpoints edit makes of a copy
+// of its addresses.
+func (w *workload) updateEndpoints(ctx context.Context, s *benchService, edit func([]string) []string) error {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	ips := slices.Clone(s.ips)
-	ips[rand.IntN(len(ips))] = randomIPs(1, ips)[0]
+	ips := edit(slices.Clone(s.ips))
 	slice, err := w.tb.Client().DiscoveryV1().EndpointSlices(benchNamespace).Update(ctx, s.sliceWith(ips), metav1.UpdateOptions{})
 	if err != nil {
 		return fmt.Errorf("update endpoint slice of %s: %w", s.svc.Name, err)
 	}
 	s.slice, s.ips = slice, sorted(ips)
+	return nil
+}
+
+// deleteService deletes s's Service; its EndpointSlice stays (nothing
+// collects it here), ready for createService.
+func (w *workload) deleteService(ctx context.Context, s *benchService) error {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if err := w.tb.DeleteService(ctx, benchNamespace, s.svc.Name); err != nil {
+		return err
+	}
+	s.deleted = true
+	return nil
+}
+
+// createService creates s's Service again, over its EndpointSlice: one
+// write makes a whole service, ClusterIP and endpoints, appear.
+func (w *workload) createService(ctx context.Context, s *benchService) error {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	svc, err := w.tb.CreateService(ctx, s.spec.DeepCopy())
+	if err != nil {
+		return err
+	}
+	s.svc, s.deleted = svc, false
 	return nil
 }
 

@@ -3,6 +3,7 @@ package testbed
 import (
 	"errors"
 	"fmt"
+	"strings"
 )
 
 // FreshNode is a network namespace holding nothing but loopback, where the
@@ -13,6 +14,7 @@ type FreshNode struct {
 	NS        string
 	tb        *Testbed
 	stopRelay func()
+	peers     []string // namespaces AddPeer linked to it
 }
 
 // NewFreshNode makes a fresh node namespace named after role (unique per
@@ -44,9 +46,42 @@ func (n *FreshNode) Start(name string, argv ...string) (*Process, error) {
 // Exec runs argv in the namespace and returns its standard output.
 func (n *FreshNode) Exec(argv ...string) (string, error) { return n.tb.Exec(n.NS, argv...) }
 
-// Close stops the relay and deletes the namespace, killing what still runs
-// there.
+// AddPeer makes a namespace (named after role, at most 13 characters) linked
+// to the node by a veth pair: the node's end, "kp"+role, has nodeCIDR, the
+// peer's, eth0, peerCIDR, and the peer's default route leads to the node.
+// The node does not forward unless told to. Close removes the peer with the
+// node.
+func (n *FreshNode) AddPeer(role, nodeCIDR, peerCIDR string) (string, error) {
+	ns := n.tb.nsName(role)
+	if err := n.tb.addNamespace(ns); err != nil {
+		return "", fmt.Errorf("peer %s: %w", ns, err)
+	}
+	n.peers = append(n.peers, ns)
+	nodeAddr, _, _ := strings.Cut(nodeCIDR, "/")
+	dev := "kp" + role
+	steps := [][]string{
+		{n.NS, "link", "add", dev, "type", "veth", "peer", "name", "eth0", "netns", ns},
+		{n.NS, "addr", "add", nodeCIDR, "dev", dev},
+		{n.NS, "link", "set", dev, "up"},
+		{ns, "addr", "add", peerCIDR, "dev", "eth0"},
+		{ns, "link", "set", "eth0", "up"},
+		{ns, "route", "add", "default", "via", nodeAddr},
+	}
+	for _, s := range steps {
+		if err := n.tb.ip(s[0], s[1:]...); err != nil {
+			return "", fmt.Errorf("peer %s: %w", ns, err)
+		}
+	}
+	return ns, nil
+}
+
+// Close stops the relay and deletes the namespace and its peers, killing
+// what still runs there.
 func (n *FreshNode) Close() error {
 	n.stopRelay()
-	return n.tb.removeNamespace(n.NS)
+	errs := []error{n.tb.removeNamespace(n.NS)}
+	for _, ns := range n.peers {
+		errs = append(errs, n.tb.removeNamespace(ns))
+	}
+	return errors.Join(errs...)
 }
