@@ -668,19 +668,7 @@ func (h *countingHandler) atLeast(l slog.Level) int {
 // hand was still there 30 s after the kill.) The restarted commit, sent the
 // full sync again, deletes it.
 func TestKilledWhileDeletingStaleChainsIsNoSuccess(t *testing.T) {
-	k := fakekernel.New()
-	const stray = nf.PrefixEndpoint + "STRAY"
-	k.Tables[nf.TableNAT][stray] = []string{"-A " + stray + " -j RETURN"}
-	s := testStage(k)
-	st := rendertest.SyntheticState(3, 1)
-	ctx, kill := context.WithCancel(context.Background())
-	k.BeforeRestore = func(_ int, payload string) error {
-		if strings.Contains(payload, "-X "+stray) {
-			kill() // the supervisor kills commit while the delete is under way
-			return ctx.Err()
-		}
-		return nil
-	}
+	k, s, st, ctx, stray := killedWhileDeletingAStaleChain(t)
 	done := make(chan error, 1)
 	go func() { done <- s.Run(ctx) }()
 	s.p.In.Put(planOf(st, 5, true))
@@ -711,19 +699,7 @@ func TestKilledWhileDeletingStaleChainsIsNoSuccess(t *testing.T) {
 // chain outlived the kill by 11 s), is written as a full sync and deletes
 // them.
 func TestKilledFullSyncIsWrittenFullAgain(t *testing.T) {
-	k := fakekernel.New()
-	const stray = nf.PrefixEndpoint + "STRAY"
-	k.Tables[nf.TableNAT][stray] = []string{"-A " + stray + " -j RETURN"}
-	s := testStage(k)
-	st := rendertest.SyntheticState(3, 1)
-	ctx, kill := context.WithCancel(context.Background())
-	k.BeforeRestore = func(_ int, payload string) error {
-		if strings.Contains(payload, "-X "+stray) {
-			kill()
-			return ctx.Err()
-		}
-		return nil
-	}
+	k, s, st, ctx, stray := killedWhileDeletingAStaleChain(t)
 	if err := s.apply(ctx, planOf(st, 5, true)); err == nil {
 		t.Fatal("a full sync killed while deleting its stale chains returned no error")
 	}
@@ -737,4 +713,24 @@ func TestKilledFullSyncIsWrittenFullAgain(t *testing.T) {
 	if _, ok := k.Tables[nf.TableNAT][stray]; ok {
 		t.Errorf("the stale chain %s is still there", stray)
 	}
+}
+
+// killedWhileDeletingAStaleChain is a commit stage over a fake kernel holding
+// a stale chain (stray), and a context the supervisor cancels, killing commit,
+// while a restore deletes that chain.
+func killedWhileDeletingAStaleChain(t *testing.T) (k *fakekernel.Kernel, s *Stage, st bus.State, ctx context.Context, stray string) {
+	t.Helper()
+	k = fakekernel.New()
+	stray = nf.PrefixEndpoint + "STRAY"
+	k.Tables[nf.TableNAT][stray] = []string{"-A " + stray + " -j RETURN"}
+	ctx, kill := context.WithCancel(context.Background())
+	t.Cleanup(kill)
+	k.BeforeRestore = func(_ int, payload string) error {
+		if strings.Contains(payload, "-X "+stray) {
+			kill() // the supervisor kills commit while the delete is under way
+			return ctx.Err()
+		}
+		return nil
+	}
+	return k, testStage(k), rendertest.SyntheticState(3, 1), ctx, stray
 }
