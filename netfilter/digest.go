@@ -56,6 +56,26 @@ func (t Tool) Digests(ctx context.Context, table string, names []string) (map[st
 	return t.savedDigests(ctx, table, names)
 }
 
+// Generation is the nf_tables ruleset generation, which every change of any
+// table of any family bumps: a read made while it stood at one value still
+// holds while it does. An error when the ruleset is not read over nf_tables
+// netlink (the legacy backend, no permission).
+func (t Tool) Generation(ctx context.Context) (uint32, error) {
+	nft, err := t.onNFTables(ctx)
+	if err != nil {
+		return 0, err
+	}
+	if !nft {
+		return 0, errors.New("not the nf_tables backend: no ruleset generation")
+	}
+	n, done, err := t.openReader(ctx, "")
+	if err != nil {
+		return 0, err
+	}
+	defer done()
+	return n.generation()
+}
+
 // backendCache remembers, per iptables binary, whether it is the nf_tables backend.
 // Only answers are remembered: a failed `iptables -V` is asked again next time.
 type backendCache struct {

@@ -186,6 +186,31 @@ func jumpedTo(s *benchService, want []string, text string) []string {
 	return jumps
 }
 
+// settle waits, after a change of an isolated series (its API write began at
+// began), until the proxy has finished the sync that carried it: its IPv4
+// last-sync gauge (kube-proxy's, which kpipe keeps too) passed began. Only
+// the pacing comes from the proxy, no figure. A change can show in the kernel
+// before the proxy is done with it (kpipe deletes a gone endpoint's rule
+// first and rebalances the rest in a second write), and a change made in
+// between would wait for that write and be timed with it. A proxy whose
+// gauge does not move is waited for settleLimit at most.
+func (k kernel) settle(began time.Time) {
+	for end := time.Now().Add(settleLimit); time.Now().Before(end); time.Sleep(10 * time.Millisecond) {
+		m, err := k.tb.ScrapeMetrics(k.node.NS, testbed.MetricsURL+"/metrics")
+		if err != nil {
+			continue
+		}
+		last := testbed.Sum(m, "kubeproxy_sync_proxy_rules_last_timestamp_seconds", map[string]string{"ip_family": "IPv4"})
+		if last >= float64(began.UnixNano())/1e9 {
+			return
+		}
+	}
+	logf("the proxy reported no sync %v after a change made at %s; going on", settleLimit, began.Format(time.TimeOnly))
+}
+
+// settleLimit bounds settle's wait.
+const settleLimit = 10 * time.Second
+
 // waitFor polls s's chain until the kernel holds s as the API says now (see
 // holds) and returns when it saw that.
 func (k kernel) waitFor(s *benchService, timeout time.Duration, alive func() error, dispatch bool) (time.Time, error) {

@@ -387,8 +387,8 @@ func benchOne(ctx context.Context, tb *testbed.Testbed, w *workload, proxy, bin 
 	return r, nil
 }
 
-// measureKinds measures each kind of change, isolated (gap after the one
-// before showed), into r.
+// measureKinds measures each kind of change, isolated (gap after the proxy
+// finished the one before: kernel.settle), into r.
 func measureKinds(ctx context.Context, w *workload, k kernel, alive func() error, gap time.Duration, r *result) error {
 	eps, err := changeSeries(ctx, k, alive, gap, kindsBudget, w.svcs, w.endpointKinds()...)
 	if err != nil {

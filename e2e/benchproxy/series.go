@@ -67,7 +67,8 @@ func latencies(ctx context.Context, w *workload, k kernel, alive func() error, g
 
 // changeSeries makes up to changeCount rounds of the changes cs (fewer past
 // budget, at least minChanges), each round to a random one of svcs, each
-// change gap after the previous one showed in the kernel, and returns, for
+// change gap after the proxy finished the one before (kernel.settle; back to
+// back, gap 0: after the one before showed), and returns, for
 // each of cs, how long each took from the API write to the kernel, sorted.
 // A round that fails is still made whole (the rest of its changes, not
 // waited for), so that the next proxy's run finds every service as before.
@@ -96,6 +97,9 @@ func changeSeries(ctx context.Context, k kernel, alive func() error, gap, budget
 			}
 			api[i] = append(api[i], wrote)
 			out[i] = append(out[i], seen.Sub(t))
+			if gap > 0 {
+				k.settle(t)
+			}
 		}
 	}
 	for _, d := range out {

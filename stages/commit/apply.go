@@ -39,12 +39,15 @@ const chainsPerFreshStep = 500
 // nothing else (deleteUnwanted).
 func (s *Stage) apply(ctx context.Context, plan *bus.Plan) error {
 	full := s.writtenFull(plan)
-	if !full {
+	var read *earlyRead // what the kernel held, read before this plan came
+	if full {
+		read = s.takeEarly(ctx)
+	} else {
 		s.deleteGoneFirst(ctx, plan)
 	}
 	var w writes
 	for _, tp := range plan.Tables {
-		tw, err := s.changes(ctx, tp, full, plan.Refresh)
+		tw, err := s.changes(ctx, tp, full, plan.Refresh, read)
 		if err != nil {
 			return err
 		}

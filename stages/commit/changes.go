@@ -15,15 +15,15 @@ import (
 // sync, from the kernel's digests.
 
 // changes works out what to write and delete in one table.
-func (s *Stage) changes(ctx context.Context, tp bus.TablePayload, full, refresh bool) (tableWrites, error) {
+func (s *Stage) changes(ctx context.Context, tp bus.TablePayload, full, refresh bool, read *earlyRead) (tableWrites, error) {
 	tw := tableWrites{table: tp.Table}
 	if full {
 		wanted := planned(tp)
-		kernel, err := s.kernel.ChainNames(ctx, tp.Table)
+		kernel, err := read.chainNames(ctx, s.kernel, tp.Table)
 		if err != nil {
 			return tw, err
 		}
-		tw.write, tw.same = s.unchanged(ctx, tp.Table, tp.Chains, kernel)
+		tw.write, tw.same = s.unchanged(ctx, tp.Table, tp.Chains, kernel, read)
 		if tp.Table == nf.TableFilter {
 			tw.kernelRules = s.kernelRules(ctx, tw.write)
 		}
@@ -119,8 +119,9 @@ func planned(tp bus.TablePayload) map[string]bool {
 // kernel already holds exactly as planned: their digests, read from the
 // kernel, are the ones their rules give. So a restarted kpipe (or one taking
 // over from kube-proxy) rewrites only what is not right, chain by chain. When
-// the kernel cannot be read, everything is written.
-func (s *Stage) unchanged(ctx context.Context, table string, chains []bus.Chain, kernel []string) (write []bus.Chain, same []sameChain) {
+// the kernel cannot be read, everything is written. The digests are read now,
+// unless read early (see earlyRead).
+func (s *Stage) unchanged(ctx context.Context, table string, chains []bus.Chain, kernel []string, read *earlyRead) (write []bus.Chain, same []sameChain) {
 	if _, known := s.kernel.ExpectedDigest(ctx, table, ""); !known {
 		return chains, nil // the legacy backend: nothing to compare with, so no read
 	}
@@ -142,7 +143,13 @@ func (s *Stage) unchanged(ctx context.Context, table string, chains []bus.Chain,
 	// The kernel is read on this goroutine (a test's network namespace is
 	// this thread's) while other goroutines work out what it should hold.
 	expected := s.expectedDigests(ctx, table, chains, inKernel)
-	digests, err := s.digests(ctx, table, names)
+	var digests map[string]uint64
+	var err error
+	if t, ok := read.table(table); ok {
+		digests, err = s.digestsOf(ctx, t, table, names)
+	} else {
+		digests, err = s.digests(ctx, table, names)
+	}
 	want := expected()
 	if err != nil {
 		s.log.Warn("reading the kernel's chains before a full sync; writing them all", "family", s.family, "table", table, "err", err)

@@ -85,6 +85,11 @@ type Stage struct {
 	// missing jumps to be put back in the tables it names.
 	last   *bus.Plan
 	repair *bus.Repair
+	// early is the kernel as Run read it at start, for the first full sync.
+	early *earlyRead
+	// afterEarlyRead, when set, runs once Run has read the kernel at start;
+	// tests change the kernel there.
+	afterEarlyRead func()
 }
 
 // NewStage makes the commit stage of one family.
@@ -100,6 +105,13 @@ func (s *Stage) Run(ctx context.Context) error {
 	// ledger knows which chains that run may have left half-way.
 	if s.p.Resend != nil {
 		s.p.Resend.Raise()
+	}
+	s.early = nil
+	if !s.ledger.synced {
+		s.early = s.readEarly(ctx)
+	}
+	if s.afterEarlyRead != nil {
+		s.afterEarlyRead()
 	}
 	for {
 		plan, again, err := s.next(ctx)

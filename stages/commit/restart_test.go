@@ -145,20 +145,24 @@ func TestRestartedCommitComparesWithTheKernel(t *testing.T) {
 		if want := sorted([]string{svc, nf.ChainServices, nf.ChainForward}); !slices.Equal(got, want) {
 			return fmt.Errorf("the restarted commit rewrote %v; want only the changed %v", got, want)
 		}
-		// What it left is what a fresh write leaves: every chain's digest is
-		// the one its rules give.
-		for _, tp := range plan.Tables {
-			digests, err := tool.Digests(ctx, tp.Table, nil)
-			if err != nil {
-				return err
-			}
-			for _, c := range tp.Chains {
-				want, ok := tool.ExpectedDigest(ctx, tp.Table, c.Rules)
-				if !ok || digests[c.Name] != want {
-					return fmt.Errorf("after the restart, %s %s is not as planned", tp.Table, c.Name)
-				}
+		return kernelHolds(ctx, tool, plan, "after the restart")
+	})
+}
+
+// kernelHolds says (nil) whether the kernel holds what a fresh write of plan
+// leaves: every chain's digest is the one its rules give.
+func kernelHolds(ctx context.Context, tool nf.Tool, plan *bus.Plan, when string) error {
+	for _, tp := range plan.Tables {
+		digests, err := tool.Digests(ctx, tp.Table, nil)
+		if err != nil {
+			return err
+		}
+		for _, c := range tp.Chains {
+			want, ok := tool.ExpectedDigest(ctx, tp.Table, c.Rules)
+			if !ok || digests[c.Name] != want {
+				return fmt.Errorf("%s, %s %s is not as planned", when, tp.Table, c.Name)
 			}
 		}
-		return nil
-	})
+	}
+	return nil
 }

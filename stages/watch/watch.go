@@ -236,9 +236,10 @@ func (s *Stage) watchOnce(run context.Context, addrs <-chan struct{}, fail func(
 }
 
 // waitForCaches waits until the informers' caches synced (true), ctx ends or
-// the apiserver answers again from an earlier point in time (false).
+// the apiserver answers again from an earlier point in time (false). It asks
+// every 10 ms, not client-go's 100: the first sync starts that much sooner.
 func (s *Stage) waitForCaches(ctx context.Context, back <-chan struct{}, inf informerSet) bool {
-	tick := time.NewTicker(100 * time.Millisecond)
+	tick := time.NewTicker(10 * time.Millisecond)
 	defer tick.Stop()
 	for {
 		if inf.services.HasSynced() && inf.slices.HasSynced() && inf.nodes.HasSynced() {

@@ -197,6 +197,25 @@ func digestOf(rules []string) uint64 {
 	return h.Sum64()
 }
 
+// Generation stands for nf_tables' ruleset generation: it changes whenever
+// the tables do, however a test changed them (through Restore or by hand in
+// Tables). It is a digest of every table, so a change undone gives the
+// generation back, as nothing a reader holds is wrong then.
+func (k *Kernel) Generation(context.Context) (uint32, error) {
+	k.Mu.Lock()
+	defer k.Mu.Unlock()
+	h := fnv.New32a()
+	for _, table := range slices.Sorted(maps.Keys(k.Tables)) {
+		for _, chain := range slices.Sorted(maps.Keys(k.Tables[table])) {
+			fmt.Fprintf(h, "%s %s\n", table, chain)
+			for _, rule := range k.Tables[table][chain] {
+				fmt.Fprintln(h, rule)
+			}
+		}
+	}
+	return h.Sum32(), nil
+}
+
 // ListChain returns the rules of chain ("-A ..." lines), as netfilter.Tool's
 // does; netfilter.ErrNoChain when it does not exist.
 func (k *Kernel) ListChain(_ context.Context, table, chain string) ([]string, error) {
