@@ -512,21 +512,9 @@ func (n *nftReader) chains(names []string) (map[string]*digest, error) {
 // send measured 10× slower). So each chain takes a send and two receives,
 // neither of which waits.
 //
-// The kernel resumes each part of a dump at a count of the rules it went
-// through, counting the not yet committed rules of a writer's transaction too:
-// when such rules come or go between two parts, the next part repeats rules
-// (seen on 6.18), and the generation does not change. A rule's handle is
-// unique in its table, so a repeat (a handle in seen) is dropped.
+// Rules a dump part repeats are dropped (see eachRule).
 func (n *nftReader) hashRules(chain string, chains map[string]*digest, seen map[uint64]struct{}) error {
-	err := n.dumpRules(chain, func(attrs []byte) error {
-		r, err := decodeRule(attrs)
-		if err != nil {
-			return err
-		}
-		if _, repeat := seen[r.handle]; repeat {
-			return nil
-		}
-		seen[r.handle] = struct{}{}
+	err := n.eachRule(chain, seen, func(r rule) error {
 		if d, ok := chains[string(r.chain)]; ok && string(r.table) == n.table {
 			return r.hashInto(d)
 		}
@@ -539,6 +527,27 @@ func (n *nftReader) hashRules(chain string, chains map[string]*digest, seen map[
 		return fmt.Errorf("nf_tables rules of %s %s: %w", n.table, chain, err)
 	}
 	return err
+}
+
+// eachRule calls each with every rule of chain (of the whole table when chain
+// is ""), once, in the kernel's order. The kernel resumes each part of a dump
+// at a count of the rules it went through, counting the not yet committed
+// rules of a writer's transaction too: when such rules come or go between two
+// parts, the next part repeats rules (seen on 6.18), and the generation does
+// not change. A rule's handle is unique in its table, so a repeat (a handle in
+// seen, which eachRule fills) is dropped.
+func (n *nftReader) eachRule(chain string, seen map[uint64]struct{}, each func(r rule) error) error {
+	return n.dumpRules(chain, func(attrs []byte) error {
+		r, err := decodeRule(attrs)
+		if err != nil {
+			return err
+		}
+		if _, repeat := seen[r.handle]; repeat {
+			return nil
+		}
+		seen[r.handle] = struct{}{}
+		return each(r)
+	})
 }
 
 // dumpRules calls each with every rule of chain (of the whole table when chain

@@ -73,16 +73,10 @@ func (n *nftReader) chainRules(chain string) (ChainRules, error) {
 	}
 	var out ChainRules
 	d := newDigest()
-	seen := map[uint64]struct{}{}
-	err = n.dumpRules(chain, func(attrs []byte) error {
-		r, err := decodeRule(attrs)
-		if err != nil {
-			return err
+	err = n.eachRule(chain, map[uint64]struct{}{}, func(r rule) error {
+		if string(r.chain) != chain {
+			return nil
 		}
-		if _, repeat := seen[r.handle]; repeat || string(r.chain) != chain {
-			return nil // a dump part repeated (see hashRules)
-		}
-		seen[r.handle] = struct{}{}
 		out.Handles = append(out.Handles, r.handle)
 		return r.hashInto(d)
 	})

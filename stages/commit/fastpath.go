@@ -198,8 +198,8 @@ func fastCuts(old, now bus.TablePayload, servicesMayGo bool) []cut {
 // an endpoint its new rules do not have, when its last rule stays: an
 // unconditional rule to a live endpoint. count is the old rules' count.
 func endpointsGone(old, now string) (cut []int, count int) {
-	before, ok := parseRules(old)
-	after, ok2 := parseRules(now)
+	before, ok := parseRules(ruleLines(old))
+	after, ok2 := parseRules(ruleLines(now))
 	if !ok || !ok2 || len(before) == 0 {
 		return nil, 0
 	}
@@ -224,11 +224,11 @@ func endpointsGone(old, now string) (cut []int, count int) {
 // jumpsToGone lists the old rules that jump to a chain that is gone, when the
 // new rules are exactly the old ones without them.
 func jumpsToGone(old, now string, gone map[string]bool) (cut []int, count int) {
-	before, ok := parseRules(old)
+	lines := ruleLines(old)
+	before, ok := parseRules(lines)
 	if !ok {
 		return nil, 0
 	}
-	lines := ruleLines(old)
 	var kept []string
 	for i, r := range before {
 		if gone[r.Target.JumpsTo()] {
@@ -275,8 +275,7 @@ func unconditional(r nf.Rule) bool {
 }
 
 // parseRules parses a chain's "-A" lines (ok false when one does not parse).
-func parseRules(rules string) ([]nf.Rule, bool) {
-	lines := ruleLines(rules)
+func parseRules(lines []string) ([]nf.Rule, bool) {
 	out := make([]nf.Rule, 0, len(lines))
 	for _, line := range lines {
 		r, err := nf.ParseRule(line)

@@ -81,7 +81,10 @@ type Renderer struct {
 	// natChains and filterChains count the cached services' parts: about the
 	// plan's chains, to size its lists.
 	natChains, filterChains int
-	largeCluster            bool // see largeClusterEndpoints
+	// endpoints counts the cached services' endpoints as kube-proxy counts
+	// them for its large-cluster mode (see followClusterSize).
+	endpoints    int
+	largeCluster bool // see largeClusterEndpoints
 }
 
 // cachedService is one service rendered on its own.
@@ -102,7 +105,7 @@ func (rr *Renderer) reset() {
 	rr.cache, rr.keys, rr.services = map[bus.ServiceKey]*cachedService{}, nil, nil
 	rr.nat, rr.filter = newAssembly(), newAssembly()
 	rr.buckets, rr.rebucket = map[netip.Prefix]int{}, true
-	rr.maps, rr.natChains, rr.filterChains = newPlanMaps(), 0, 0
+	rr.maps, rr.natChains, rr.filterChains, rr.endpoints = newPlanMaps(), 0, 0, 0
 }
 
 func natParts(c *cachedService) []part    { return c.r.nat }
@@ -242,10 +245,12 @@ func (rr *Renderer) account(key bus.ServiceKey, old, new *cachedService) {
 	if old != nil {
 		rr.natChains -= len(old.r.nat)
 		rr.filterChains -= len(old.r.filter)
+		rr.endpoints -= int(old.r.endpoints)
 	}
 	if new != nil {
 		rr.natChains += len(new.r.nat)
 		rr.filterChains += len(new.r.filter)
+		rr.endpoints += int(new.r.endpoints)
 	}
 	if bucketsChanged(rr.buckets, old, new) {
 		rr.rebucket = true

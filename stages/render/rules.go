@@ -107,11 +107,7 @@ func endpointsAtMost(st bus.State, family bus.Family) int {
 // counted, where rendering again is cheap: a first sync at 10,000 services
 // renders once.
 func (rr *Renderer) followClusterSize(snap *bus.Snapshot) {
-	n := 0
-	for _, c := range rr.services {
-		n += int(c.r.endpoints)
-	}
-	if large := n > largeClusterEndpoints; large != rr.largeCluster {
+	if large := rr.endpoints > largeClusterEndpoints; large != rr.largeCluster {
 		rr.largeCluster = large
 		for _, key := range rr.keys {
 			rr.replace(key, rr.cache[key], rr.rendered(snap, key))
