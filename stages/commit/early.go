@@ -8,8 +8,9 @@ import (
 )
 
 // earlyRead is what the kernel held of the tables kpipe writes when the stage
-// started with a ledger that knows nothing (a new process, a reload, a failed
-// full sync): every chain and its digest. The first full sync compares its
+// started with a ledger that has seen no full sync (a new process, a reload,
+// a stage restarted before its full sync succeeded): every chain, and the
+// digest of each that readsEarly. The first full sync compares its
 // plan with these, chain by chain, and writes only what differs; reading them
 // is most of a restart's work when nothing changed (0.65 s of 0.86 s at
 // 10,000 services). Read at start, it is done while watch's informers list
@@ -43,8 +44,7 @@ type generations interface {
 	Generation(ctx context.Context) (uint32, error)
 }
 
-// readEarly reads the kernel for the first full sync (the chains that
-// readsEarly): nil when the kernel has
+// readEarly reads the kernel for the first full sync: nil when the kernel has
 // no generation, cannot say what a chain's digest should be (the legacy
 // backend compares nothing), or changed during the read.
 func (s *Stage) readEarly(ctx context.Context) *earlyRead {
