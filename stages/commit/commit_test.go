@@ -329,6 +329,16 @@ func testStageOn(kernel Kernel, board *bus.Board) *Stage {
 		Env: bus.Envs{Metrics: metrics.New(prometheus.NewRegistry()), Board: board}.For(bus.Commit.Of(bus.IPv4))})
 }
 
+// requireNFTables stops a test of the real kernel where it cannot run (it
+// skips, and fails in CI): not root, or iptables not the nf_tables backend.
+func requireNFTables(t *testing.T) {
+	t.Helper()
+	netnstest.RequireRoot(t)
+	if !nf.OnNFTables(bus.IPv4) {
+		netnstest.Unavailable(t, "iptables is not the nf_tables backend (go tool task setup)")
+	}
+}
+
 // apply writes plan into the current network namespace with a new commit stage
 // (an empty ledger: the plan is written as a full sync).
 func apply(plan *bus.Plan) error { return realStage().apply(context.Background(), plan) }

@@ -141,10 +141,7 @@ func TestFirstSyncAfterTheEarlyRead(t *testing.T) {
 // when nothing changed, and rewrites a service chain deleted from by hand
 // between its read at start and its first plan.
 func TestFirstSyncAfterTheEarlyReadInTheKernel(t *testing.T) {
-	netnstest.RequireRoot(t)
-	if !nf.OnNFTables(bus.IPv4) {
-		netnstest.Unavailable(t, "iptables is not the nf_tables backend (go tool task setup)")
-	}
+	requireNFTables(t)
 	st := rendertest.SyntheticState(50, 3)
 	plan := planOf(st, 1, true)
 	var svc string

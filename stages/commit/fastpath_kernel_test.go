@@ -98,10 +98,7 @@ func requireKernelIsThePlan(ctx context.Context, tool nf.Tool, plan *bus.Plan) e
 // and none where neither the old nor the new rules would; after the walked
 // write the kernel holds what a fresh render has.
 func TestFastPathInTheKernel(t *testing.T) {
-	netnstest.RequireRoot(t)
-	if !nf.OnNFTables(bus.IPv4) {
-		netnstest.Unavailable(t, "iptables is not the nf_tables backend (go tool task setup)")
-	}
+	requireNFTables(t)
 	base := churnState(30)
 	next := with(withoutEndpoint(base, 1, "svc1", "svc2", "svc3"), []int{200}, []string{"svc4"}, "")
 	last := withoutEndpoint(withoutEndpoint(withoutEndpoint(next, 3, "svc5"), -1, "svc6"), 1, "svc7")

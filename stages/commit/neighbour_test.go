@@ -167,10 +167,7 @@ func (p *probingTool) Prepare(payload []byte) func(context.Context) error {
 // After every step, the service has its DNAT or its REJECT, and the new
 // KUBE-FW- chain is not reachable without its DROP.
 func TestRestartedFullSyncNeverLeavesAGap(t *testing.T) {
-	netnstest.RequireRoot(t)
-	if !nf.OnNFTables(bus.IPv4) {
-		netnstest.Unavailable(t, "iptables is not the nf_tables backend (go tool task setup)")
-	}
+	requireNFTables(t)
 	before := largeState(maxChainsPerRestore/2 + 200)
 	after, gaps := gapScenario(before)
 	netnstest.New(t).Run(t, func() error {

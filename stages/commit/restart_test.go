@@ -105,10 +105,7 @@ func (r *recordingTool) Prepare(payload []byte) func(context.Context) error {
 // netlink, and rewrites only a service chain and a filter chain that were
 // changed by hand, and the top-level chain a rule was added to.
 func TestRestartedCommitComparesWithTheKernel(t *testing.T) {
-	netnstest.RequireRoot(t)
-	if !nf.OnNFTables(bus.IPv4) {
-		netnstest.Unavailable(t, "iptables is not the nf_tables backend (go tool task setup)")
-	}
+	requireNFTables(t)
 	st := rendertest.SyntheticState(50, 3)
 	plan := planOf(st, 1, true)
 	netnstest.New(t).Run(t, func() error {

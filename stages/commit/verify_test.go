@@ -74,10 +74,7 @@ func heard(t *testing.T, sub *nf.Subscription) bus.Repair {
 // nothing more is heard. A rule another writer appends is heard, and only that
 // chain is rewritten; the rewrite is heard in turn and writes nothing.
 func TestOwnWritesHeardFromTheKernelWriteNothing(t *testing.T) {
-	netnstest.RequireRoot(t)
-	if !nf.OnNFTables(bus.IPv4) {
-		netnstest.Unavailable(t, "iptables is not the nf_tables backend (go tool task setup)")
-	}
+	requireNFTables(t)
 	ns := netnstest.New(t)
 	tool := &watchedTool{Tool: nf.Tool{Family: bus.IPv4}}
 	var sub *nf.Subscription
