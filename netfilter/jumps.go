@@ -49,6 +49,30 @@ func (j Jump) spec() []string {
 	return append(spec, "-j", j.To)
 }
 
+// Line is j as iptables-save prints it: "-A FROM [matches] -m comment
+// --comment "..." -j TO".
+func (j Jump) Line() string {
+	words := append([]string{"-A", j.From}, j.Match...)
+	if j.Comment != "" {
+		words = append(words, "-m", "comment", "--comment", strconv.Quote(j.Comment))
+	}
+	return strings.Join(append(words, "-j", j.To), " ")
+}
+
+// FreshBuiltins are the rules js leave in the built-in chains of a node that
+// had none, by table and chain: EnsureJumps inserts each one first, so the
+// last of js ends up first.
+func FreshBuiltins(js []Jump) map[string]map[string][]string {
+	out := map[string]map[string][]string{}
+	for _, j := range js {
+		if out[j.Table] == nil {
+			out[j.Table] = map[string][]string{}
+		}
+		out[j.Table][j.From] = append([]string{j.Line()}, out[j.Table][j.From]...)
+	}
+	return out
+}
+
 // EnsureJumps makes sure every jump is in its built-in chain, inserting a missing
 // one first (as kube-proxy does). A jump that is there stays where it is, behind
 // whatever another agent put in front of it: moving it would reorder that

@@ -74,6 +74,8 @@ func runWith(args []string, serve func(context.Context, *Options) error) int {
 		},
 	}
 	opts.addFlags(cmd.Flags())
+	cmd.CompletionOptions.DisableDefaultCmd = true
+	cmd.AddCommand(operatorCommands()...)
 	cmd.SetArgs(args)
 	if err := cmd.ExecuteContext(context.Background()); err != nil {
 		if !errors.As(err, new(loggedError)) {

@@ -191,7 +191,7 @@ var builtinChains = map[string][]string{
 	nf.TableFilter: {"INPUT", "FORWARD", "OUTPUT"},
 }
 
-// addBuiltins writes the jumps into the built-in chains, each inserted first.
+// addBuiltins writes the jumps into the built-in chains as a fresh node has them.
 func (t *tracer) addBuiltins(jumps []nf.Jump) error {
 	for table, names := range builtinChains {
 		for _, name := range names {
@@ -201,21 +201,19 @@ func (t *tracer) addBuiltins(jumps []nf.Jump) error {
 			t.chains[table][name] = []*rule{}
 		}
 	}
-	for _, j := range jumps {
-		words := append([]string{"-A", j.From}, j.Match...)
-		if j.Comment != "" {
-			words = append(words, "-m", "comment", "--comment", `"`+j.Comment+`"`)
+	for table, chains := range nf.FreshBuiltins(jumps) {
+		for chain, lines := range chains {
+			if t.chains[table][chain] == nil {
+				return fmt.Errorf("jump from %s/%s, a chain the tracer does not walk", table, chain)
+			}
+			for _, line := range lines {
+				r, err := parseRule(chain, line)
+				if err != nil {
+					return fmt.Errorf("jump %s/%s: %w", table, chain, err)
+				}
+				t.chains[table][chain] = append(t.chains[table][chain], r)
+			}
 		}
-		line := strings.Join(append(words, "-j", j.To), " ")
-		r, err := parseRule(j.From, line)
-		if err != nil {
-			return fmt.Errorf("jump %s/%s: %w", j.Table, j.From, err)
-		}
-		chain := t.chains[j.Table][j.From]
-		if chain == nil {
-			return fmt.Errorf("jump from %s/%s, a chain the tracer does not walk", j.Table, j.From)
-		}
-		t.chains[j.Table][j.From] = append([]*rule{r}, chain...)
 	}
 	return nil
 }
