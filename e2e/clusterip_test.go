@@ -33,7 +33,7 @@ func reachFromPodAndNode(t *testing.T, proto corev1.Protocol, d dialer) {
 	t.Logf("from pod %d: answers by endpoint %v", clientPod, seen)
 	requireExactly(t, seen, want)
 	// Pod-to-service traffic stays inside the cluster CIDR: not masqueraded.
-	a, err := d(client.NS, addr)
+	a, err := d.dial(client.NS, addr)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -115,7 +115,7 @@ func TestEndpointRemovedAndAdded(t *testing.T) {
 	start := time.Now()
 	testbed.Eventually(t, 10*time.Second, func() error {
 		for i := 0; i < 10; i++ {
-			a, err := d(from, addr)
+			a, err := d.dial(from, addr)
 			if err != nil {
 				return err
 			}
@@ -137,7 +137,7 @@ func TestEndpointRemovedAndAdded(t *testing.T) {
 	e.endpoints(svc, 1, 2, 4)
 	start = time.Now()
 	testbed.Eventually(t, 10*time.Second, func() error {
-		a, err := d(from, addr)
+		a, err := d.dial(from, addr)
 		if err != nil {
 			return err
 		}

@@ -166,7 +166,7 @@ func podIPs6(pods ...int) []string {
 
 // tcpFrom is a TCP dialer whose connections come from source address src.
 func tcpFrom(src string, timeout time.Duration) dialer {
-	return func(ns, addr string) (testbed.Answer, error) { return tb.DialTCPFrom(ns, src, addr, timeout) }
+	return dialer{"tcp", src, func(ns, addr string) (testbed.Answer, error) { return tb.DialTCPFrom(ns, src, addr, timeout) }}
 }
 
 // Short-hands: quick dialers for requests that must be answered, and 1 s ones
@@ -207,7 +207,7 @@ func (h hits) String() string {
 func sample(d dialer, ns, addr string, n int) (hits, error) {
 	h := hits{endpoints: map[string]int{}, sources: map[string]int{}}
 	for i := 0; i < n; i++ {
-		a, err := d(ns, addr)
+		a, err := d.dial(ns, addr)
 		if err != nil {
 			return h, fmt.Errorf("request %d/%d from %s to %s: %w (so far: %v)", i+1, n, ns, addr, err, h)
 		}
@@ -259,6 +259,7 @@ func eventuallyExactly(t *testing.T, d dialer, ns, addr string, want []string, s
 		}
 		return nil
 	})
+	explainAgrees(t, "requests from "+short(ns)+" to "+addr, d, ns, addr, observed{saw: sawAnswered, answerers: want, sources: sources})
 	return h
 }
 
@@ -297,7 +298,7 @@ func eventuallyConsistently(t *testing.T, what string, d dialer, ns, addr string
 func settle(timeout time.Duration, d dialer, ns, addr string, check func(testbed.Answer, error) error) ([]string, error) {
 	var seen []string
 	try := func() error {
-		a, err := d(ns, addr)
+		a, err := d.dial(ns, addr)
 		seen = append(seen, outcome(a, err))
 		return check(a, err)
 	}
@@ -343,6 +344,7 @@ func eventuallyDropped(t *testing.T, what string, d dialer, ns, addr string) {
 		return nil
 	})
 	t.Logf("%s: %s from %s dropped, %d times in a row (checked within %v)", what, addr, short(ns), settleRequests, since(start))
+	explainAgrees(t, what, d, ns, addr, observed{saw: sawDropped})
 }
 
 // eventuallyRefused waits until requests from ns to addr are refused (see
@@ -356,6 +358,7 @@ func eventuallyRefused(t *testing.T, what string, d dialer, ns, addr string) {
 		return nil
 	})
 	t.Logf("%s: %s from %s refused, %d times in a row", what, addr, short(ns), settleRequests)
+	explainAgrees(t, what, d, ns, addr, observed{saw: sawRefused})
 }
 
 // eventuallyUnanswered waits until requests from ns to addr fail, refused or
@@ -369,6 +372,7 @@ func eventuallyUnanswered(t *testing.T, what string, d dialer, ns, addr string) 
 		return nil
 	})
 	t.Logf("%s: %s from %s not answered, %d times in a row: %s", what, addr, short(ns), settleRequests, strings.Join(seen, "; "))
+	explainAgrees(t, what, d, ns, addr, observed{saw: sawUnanswered})
 }
 
 // short names a test bed namespace by its role ("node", "client", "pod11").

@@ -155,14 +155,20 @@ func (e *env) iptablesSave(table string) string {
 }
 
 // dialer is one kind of request: TCP or UDP, from a namespace.
-type dialer func(ns, addr string) (testbed.Answer, error)
+type dialer struct {
+	// proto ("tcp", "udp") and src (the source address; "": the kernel's
+	// choice) describe the request to `kpipe explain`; a dialer without a
+	// proto is not explained.
+	proto, src string
+	dial       func(ns, addr string) (testbed.Answer, error)
+}
 
 func tcp(timeout time.Duration) dialer {
-	return func(ns, addr string) (testbed.Answer, error) { return tb.DialTCP(ns, addr, timeout) }
+	return dialer{"tcp", "", func(ns, addr string) (testbed.Answer, error) { return tb.DialTCP(ns, addr, timeout) }}
 }
 
 func udp(timeout time.Duration) dialer {
-	return func(ns, addr string) (testbed.Answer, error) { return tb.DialUDP(ns, addr, timeout, 0) }
+	return dialer{"udp", "", func(ns, addr string) (testbed.Answer, error) { return tb.DialUDP(ns, addr, timeout, 0) }}
 }
 
 // podIP is the IPv4 of pod n.
@@ -182,7 +188,7 @@ func waitAnswer(t *testing.T, d dialer, ns, addr string, timeout time.Duration) 
 	var a testbed.Answer
 	testbed.Eventually(t, timeout, func() error {
 		var err error
-		a, err = d(ns, addr)
+		a, err = d.dial(ns, addr)
 		return err
 	})
 	return a
@@ -194,7 +200,7 @@ func spread(t *testing.T, d dialer, ns, addr string, n int) map[string]int {
 	t.Helper()
 	seen := map[string]int{}
 	for i := 0; i < n; i++ {
-		a, err := d(ns, addr)
+		a, err := d.dial(ns, addr)
 		if err != nil {
 			t.Fatalf("request %d/%d from %s to %s: %v (answers so far: %v)", i+1, n, ns, addr, err, seen)
 		}
@@ -280,7 +286,7 @@ func startLoop(d dialer, ns, addr string, pause time.Duration) *loop {
 			default:
 			}
 			start := time.Now()
-			a, err := d(ns, addr)
+			a, err := d.dial(ns, addr)
 			l.mu.Lock()
 			if err != nil {
 				l.failures = append(l.failures, fmt.Sprintf("%s (after %v): %v", start.Format("15:04:05.000"), since(start), err))

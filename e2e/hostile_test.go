@@ -310,7 +310,7 @@ func (st *steady) programmedWithinOneSync(t *testing.T, hostile func()) {
 	addr := testbed.ClusterAddr(st.svc, 80)
 	testbed.EventuallyEvery(t, 30*time.Second, 10*time.Millisecond, func() error {
 		n := commits(t) - before
-		a, err := tcp1(st.client, addr)
+		a, err := tcp1.dial(st.client, addr)
 		switch {
 		case err == nil && a.Endpoint == podIP(next):
 			t.Logf("steady's change: watched after %v, answered after %v, %v IPv4 commits after it was watched", delivered, since(start), n)

@@ -29,7 +29,7 @@ func TestNegativeHelpersRejectAFlappingOutcome(t *testing.T) {
 	}
 	// Rejected at the second request, the first answered one (a timeout
 	// would return no outcomes).
-	seen, err := settle(time.Second, flapping, "kpe2e-x-client", "10.96.0.10:80", refused)
+	seen, err := settle(time.Second, dialer{dial: flapping}, "kpe2e-x-client", "10.96.0.10:80", refused)
 	want := []string{outcome(testbed.Answer{}, testbed.ErrRefused), outcome(answer, nil)}
 	if err == nil || !slices.Equal(seen, want) {
 		t.Fatalf("a refused/answered/refused/... series: %v, outcomes %q; want an error after %q", err, seen, want)
@@ -37,7 +37,7 @@ func TestNegativeHelpersRejectAFlappingOutcome(t *testing.T) {
 	t.Logf("flapping series rejected: %v", err)
 
 	always := func(ns, addr string) (testbed.Answer, error) { return testbed.Answer{}, testbed.ErrRefused }
-	seen, err = settle(time.Second, always, "kpe2e-x-client", "10.96.0.10:80", refused)
+	seen, err = settle(time.Second, dialer{dial: always}, "kpe2e-x-client", "10.96.0.10:80", refused)
 	if err != nil || len(seen) != settleRequests {
 		t.Fatalf("a steadily refused series: %v, outcomes %v", err, seen)
 	}

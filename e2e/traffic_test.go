@@ -225,7 +225,7 @@ func TestTrafficCountsRequestsAfterTheLastPhase(t *testing.T) {
 		}
 		return testbed.Answer{Endpoint: "10.244.1.11"}, nil
 	}
-	tr := newTraffic(t, time.Millisecond, []string{"10.244.1.11"}, target{"fake", d, "kpe2e-x-client", "10.96.0.10:80"})
+	tr := newTraffic(t, time.Millisecond, []string{"10.244.1.11"}, target{"fake", dialer{dial: d}, "kpe2e-x-client", "10.96.0.10:80"})
 	tr.start([]string{"10.244.1.11"})
 	keepsAnswering(t, tr.loops[0], "before the failures")
 	tr.endPhase("answered")

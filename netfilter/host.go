@@ -68,3 +68,18 @@ func ReadSysctl(name string) (string, error) { return HostSysctls.Read(name) }
 
 // WriteSysctl sets one of this host's sysctls if it does not have the value already.
 func WriteSysctl(name, value string) error { return HostSysctls.Write(name, value) }
+
+// RouteTo is how this host reaches dst: the interface it leaves on and the
+// source address the host would give it (invalid when the route names none).
+func RouteTo(dst netip.Addr) (iface string, src netip.Addr, err error) {
+	routes, err := netlink.RouteGet(dst.AsSlice())
+	if err != nil || len(routes) == 0 {
+		return "", netip.Addr{}, fmt.Errorf("no route to %s: %v", dst, err)
+	}
+	src, _ = netip.AddrFromSlice(routes[0].Src)
+	link, err := netlink.LinkByIndex(routes[0].LinkIndex)
+	if err != nil {
+		return "", src.Unmap(), fmt.Errorf("the interface of the route to %s: %w", dst, err)
+	}
+	return link.Attrs().Name, src.Unmap(), nil
+}

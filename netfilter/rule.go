@@ -721,6 +721,8 @@ func (p *ruleParser) targetOption(name, opt string) error {
 			t.MarkOp = MarkXor
 		case "--and-mark":
 			t.MarkOp = MarkAnd
+		case "--set-xmark":
+			return t.setXMark(v)
 		default:
 			return fmt.Errorf("-j MARK %s", opt)
 		}
@@ -728,6 +730,27 @@ func (p *ruleParser) targetOption(name, opt string) error {
 		return err
 	}
 	return fmt.Errorf("-j %s %s", name, opt)
+}
+
+// setXMark reads --set-xmark VALUE/MASK, the form iptables-save prints every
+// MARK operation in (mark = mark&^MASK ^ VALUE): as the operation it is,
+// --or-mark (VALUE == MASK), --xor-mark (MASK 0) or --and-mark (VALUE 0).
+func (t *Target) setXMark(v string) error {
+	value, mask, err := parseMark(v)
+	if err != nil {
+		return fmt.Errorf("-j MARK --set-xmark: %w", err)
+	}
+	switch {
+	case value == mask:
+		t.MarkOp, t.Mark = MarkOr, value
+	case mask == 0:
+		t.MarkOp, t.Mark = MarkXor, value
+	case value == 0:
+		t.MarkOp, t.Mark = MarkAnd, ^mask
+	default:
+		return fmt.Errorf("-j MARK --set-xmark %s, which is no --or-mark, --xor-mark or --and-mark", v)
+	}
+	return nil
 }
 
 // isChainName says whether name can name a chain: iptables' limit of 28

@@ -24,20 +24,35 @@ type flow struct {
 	dnat     netip.AddrPort
 	masq     bool
 	recent   []string
-	trace    []string
-	verdict  string // "" while the packet goes on
+	steps    []Step
+	skipped  []string // the opaque rules passed, as "table/CHAIN: line (why)"
+	prob     float64  // of this path, over the statistic matches taken or not
+	verdict  string   // "" while the packet goes on
 }
 
-// with returns a copy of f with line added to its trace.
-func (f *flow) with(line string) *flow {
+// clone returns a copy of f that can change apart from it.
+func (f *flow) clone() *flow {
 	c := *f
-	c.trace = append(slices.Clip(f.trace), line)
+	c.steps = slices.Clip(f.steps)
 	c.recent = slices.Clip(f.recent)
+	c.skipped = slices.Clip(f.skipped)
 	return &c
 }
 
+// with returns a copy of f with step added to its trace.
+func (f *flow) with(step Step) *flow {
+	c := f.clone()
+	c.steps = append(c.steps, step)
+	return c
+}
+
 func (f *flow) path() Path {
-	return Path{Endpoint: f.dnat, Masqueraded: f.masq, Verdict: f.verdict, Affinity: f.recent, Trace: f.trace}
+	trace := make([]string, len(f.steps))
+	for i, s := range f.steps {
+		trace[i] = s.String()
+	}
+	return Path{Endpoint: f.dnat, Masqueraded: f.masq, Verdict: f.verdict, Affinity: f.recent, Trace: trace,
+		Steps: f.steps, Probability: f.prob, Unevaluated: f.skipped}
 }
 
 // ctStates are the conntrack states of the traced packet (netfilter.Ct*
@@ -87,13 +102,16 @@ func (t *tracer) runFrom(table string, rules []*rule, i int, f *flow, depth int)
 		return []*flow{f}
 	}
 	r := rules[i]
-	var out []*flow
-	taken, notTaken := t.evaluate(r, f)
-	if notTaken {
-		out = append(out, t.runFrom(table, rules, i+1, f, depth)...)
+	if r.opaque != "" { // taken as not matching, and said so
+		g := f.clone()
+		g.skipped = append(g.skipped, fmt.Sprintf("%s/%s: %s (%s)", table, r.Chain, r.line, r.opaque))
+		return t.runFrom(table, rules, i+1, g, depth)
 	}
-	if taken {
-		g := f.with(table + "/" + r.Chain + ": " + r.line)
+	var out []*flow // the path that takes r first: endpoints in the chain's order
+	pTaken := t.evaluate(r, f)
+	if pTaken > 0 {
+		g := f.with(Step{Table: table, Chain: r.Chain, Rule: r.line, Comment: r.comment()})
+		g.prob = f.prob * pTaken
 		for _, m := range r.Matches {
 			if m.Kind == nf.MatchRecent && m.Recent == nf.RecentSet {
 				g.recent = append(g.recent, m.Text)
@@ -106,6 +124,14 @@ func (t *tracer) runFrom(table string, rules []*rule, i int, f *flow, depth int)
 				out = append(out, t.runFrom(table, rules, i+1, h, depth)...)
 			}
 		}
+	}
+	if pTaken < 1 {
+		g := f
+		if pTaken > 0 {
+			g = f.clone()
+			g.prob = f.prob * (1 - pTaken)
+		}
+		out = append(out, t.runFrom(table, rules, i+1, g, depth)...)
 	}
 	return out
 }
@@ -163,28 +189,23 @@ func (t *tracer) natHook(table string, r *rule) bool {
 	return true
 }
 
-// evaluate says whether r may match f (taken) and whether it may not
-// (notTaken); both only for a statistic match with a probability strictly
-// between 0 and 1.
-func (t *tracer) evaluate(r *rule, f *flow) (taken, notTaken bool) {
+// evaluate gives the probability that r matches f: 0 or 1, or a statistic
+// match's probability when every other match holds.
+func (t *tracer) evaluate(r *rule, f *flow) float64 {
 	if !t.header(&r.Rule, f) {
-		return false, true
+		return 0
 	}
+	p := 1.0
 	for _, m := range r.Matches {
 		if m.Kind == nf.MatchStatistic {
-			switch {
-			case m.Probability <= 0:
-				return false, true
-			case m.Probability < 1:
-				notTaken = true
-			}
+			p *= min(max(m.Probability, 0), 1)
 			continue
 		}
 		if !t.test(&m, f) {
-			return false, true
+			return 0
 		}
 	}
-	return true, notTaken
+	return p
 }
 
 // header says whether r's ip header part (-s, -d, -i, -p) holds for f.

@@ -12,11 +12,38 @@ import (
 type rule struct {
 	nf.Rule
 	line string
+	// opaque says why the tracer cannot evaluate the rule (another agent's,
+	// on a node); "" for a rule it evaluates.
+	opaque string
+}
+
+// parseOrOpaque parses one rule of a node's chain: one the tracer cannot
+// follow (a match or target kpipe does not write, a target that is no chain
+// of the table, such as LOG) is kept as opaque, with the reason.
+func parseOrOpaque(chain, line string, chains map[string][]string) *rule {
+	r, err := parseLine(chain, line)
+	if err != nil {
+		return &rule{Rule: nf.Rule{Chain: chain}, line: line, opaque: err.Error()}
+	}
+	if to := r.Target.JumpsTo(); to != "" {
+		if _, ok := chains[to]; !ok {
+			return &rule{Rule: nf.Rule{Chain: chain}, line: line, opaque: "target " + to + ", which is no chain of the table"}
+		}
+	}
+	return r
 }
 
 // parseRule parses one rule line of chain, which the tracer must be able to
 // follow.
 func parseRule(chain, line string) (*rule, error) {
+	r, err := parseLine(chain, line)
+	if err != nil {
+		return nil, fmt.Errorf("%q: %w", line, err)
+	}
+	return r, nil
+}
+
+func parseLine(chain, line string) (*rule, error) {
 	r, err := nf.ParseRule(line)
 	switch {
 	case err != nil:
@@ -26,7 +53,7 @@ func parseRule(chain, line string) (*rule, error) {
 		err = traceable(&r)
 	}
 	if err != nil {
-		return nil, fmt.Errorf("%q: %w", line, err)
+		return nil, err
 	}
 	return &rule{Rule: r, line: line}, nil
 }
@@ -53,4 +80,14 @@ func traceable(r *nf.Rule) error {
 		}
 	}
 	return nil
+}
+
+// comment is the rule's -m comment, "" when it has none.
+func (r *rule) comment() string {
+	for _, m := range r.Matches {
+		if m.Kind == nf.MatchComment {
+			return m.Text
+		}
+	}
+	return ""
 }

@@ -67,6 +67,32 @@ type Path struct {
 	Affinity []string
 	// Trace lists the rules that matched, as "table/CHAIN: rule".
 	Trace []string
+	// Steps are Trace's entries, with each rule's comment.
+	Steps []Step
+	// Probability is the chance a new connection takes this path (the
+	// statistic matches it took or passed); the paths' sum is 1.
+	Probability float64
+	// Unevaluated are the rules of other agents this path passed without
+	// knowing whether they match ("table/CHAIN: rule (why)"): the trace
+	// assumed they do not.
+	Unevaluated []string
+}
+
+// Step is one entry of a path: a rule that matched, or the packet entering a
+// built-in chain or meeting its policy (Rule empty, Comment says which).
+type Step struct {
+	Table, Chain string
+	Rule         string
+	// Comment is the rule's -m comment (kpipe's and kube-proxy's name the
+	// Service and port behind the rule).
+	Comment string
+}
+
+func (s Step) String() string {
+	if s.Rule == "" {
+		return s.Table + "/" + s.Chain + ": (" + s.Comment + ")"
+	}
+	return s.Table + "/" + s.Chain + ": " + s.Rule
 }
 
 // Result is what happens to the packet, over all its paths.
@@ -102,6 +128,20 @@ func (r Result) String() string {
 // FORWARD) are nodeIPs, localAddrs, 127.0.0.0/8 and ::1.
 func Trace(plan *bus.Plan, nodeIPs []netip.Addr, localAddrs []netip.Addr, p Packet) Result {
 	t, err := newTracer(plan, append(slices.Clone(nodeIPs), localAddrs...))
+	return t.trace(err, p)
+}
+
+// TraceRuleset follows p through rules a node holds (its built-in chains as
+// they are, other agents' rules included); local are the node's addresses of
+// type LOCAL besides loopback. A rule the tracer cannot evaluate (another
+// agent's match or target) is taken as not matching, and each path lists the
+// ones it passed in Unevaluated: a trace that needed them says so.
+func TraceRuleset(rs *Ruleset, local []netip.Addr, p Packet) Result {
+	t, err := rulesetTracer(rs, local)
+	return t.trace(err, p)
+}
+
+func (t *tracer) trace(err error, p Packet) Result {
 	if err == nil {
 		err = t.check(p)
 	}
@@ -136,11 +176,12 @@ func summarize(paths []Path) Result {
 	return res
 }
 
-// tracer holds a plan's parsed rules.
+// tracer holds a plan's or a node's parsed rules.
 type tracer struct {
 	family bus.Family
 	local  []netip.Addr
 	chains map[string]map[string][]*rule // table -> chain -> rules
+	policy map[string]map[string]string  // table -> built-in chain -> DROP (ACCEPT when absent)
 	err    error                         // the first failure of the walk
 }
 
@@ -181,6 +222,33 @@ func newTracer(plan *bus.Plan, local []netip.Addr) (*tracer, error) {
 	_, localnet := t.chains[nf.TableFilter][nf.ChainLocalnetFirewall]
 	if err := t.addBuiltins(nf.Jumps(localnet)); err != nil {
 		return nil, err
+	}
+	return t, nil
+}
+
+// rulesetTracer reads a node's rules: every rule it cannot evaluate is kept,
+// opaque, where it stands.
+func rulesetTracer(rs *Ruleset, local []netip.Addr) (*tracer, error) {
+	t := &tracer{family: rs.Family, local: local, chains: map[string]map[string][]*rule{}, policy: map[string]map[string]string{}}
+	for table, names := range builtinChains {
+		tb := rs.Tables[table]
+		if tb == nil {
+			return nil, fmt.Errorf("no %s table", table)
+		}
+		chains := map[string][]*rule{}
+		for name, lines := range tb.Chains {
+			chains[name] = make([]*rule, 0, len(lines))
+			for _, line := range lines {
+				chains[name] = append(chains[name], parseOrOpaque(name, line, tb.Chains))
+			}
+		}
+		for _, name := range names {
+			if chains[name] == nil {
+				chains[name] = []*rule{}
+			}
+		}
+		t.chains[table] = chains
+		t.policy[table] = tb.Policy
 	}
 	return t, nil
 }
@@ -248,7 +316,7 @@ func (t *tracer) isLocal(a netip.Addr) bool {
 // run walks p through the hooks and returns every path's outcome.
 func (t *tracer) run(p Packet) ([]Path, error) {
 	proto, _ := nf.ParseProto(p.Proto) // check took only tcp, udp and sctp
-	start := &flow{src: p.Source, dst: p.Dest, proto: proto, dport: p.DPort, in: p.InInterface}
+	start := &flow{src: p.Source, dst: p.Dest, proto: proto, dport: p.DPort, in: p.InInterface, prob: 1}
 	natHook := "PREROUTING"
 	if p.From == FromOutput {
 		natHook = "OUTPUT"
@@ -308,11 +376,15 @@ func (t *tracer) afterNAT(from string, f *flow) []*flow {
 // hook runs a built-in chain; a path that ACCEPTs there (or is NATed, which ends
 // the nat table for this hook) goes on to the next hook.
 func (t *tracer) hook(table, chain string, f *flow) []*flow {
-	f = f.with(table + "/" + chain + ": (entered)")
+	f = f.with(Step{Table: table, Chain: chain, Comment: "entered"})
 	out := t.runChain(table, chain, f, 0)
-	for _, f := range out {
-		if f.verdict == Accept {
+	for i, f := range out {
+		switch {
+		case f.verdict == Accept:
 			f.verdict = ""
+		case f.verdict == "" && t.policy[table][chain] == Drop: // fell off the end
+			out[i] = f.with(Step{Table: table, Chain: chain, Comment: "policy DROP"})
+			out[i].verdict = Drop
 		}
 	}
 	return out
