@@ -10,11 +10,19 @@ type Report struct {
 	// PendingSince is when the oldest change not yet committed was queued (coalesce),
 	// zero when nothing is pending.
 	PendingSince time.Time
+	// PendingServices and PendingEndpoints count the pending changes of a
+	// service and of its endpoints (coalesce).
+	PendingServices, PendingEndpoints int
 	// LastSync is when the last successful commit finished, LastFullSync the last
-	// successful full one, Generation the snapshot it wrote (commit).
-	LastSync     time.Time
-	LastFullSync time.Time
-	Generation   uint64
+	// successful full one, Generation the snapshot it wrote, LastSyncDuration
+	// how long it took from the start of its render (commit).
+	LastSync         time.Time
+	LastFullSync     time.Time
+	Generation       uint64
+	LastSyncDuration time.Duration
+	// Unserved names the service ports the last commit left without endpoints
+	// (commit, from the plan). Never modified once published.
+	Unserved *Unserved
 	// LastQueued is when the last change was queued (coalesce, watch).
 	LastQueued time.Time
 	// NodeDeleting: this node's Node is being deleted (watch).

@@ -1,7 +1,9 @@
 package bus
 
 import (
+	"maps"
 	"net/netip"
+	"slices"
 	"time"
 )
 
@@ -47,6 +49,8 @@ type Plan struct {
 	// NoLocalEndpoints counts services with a Local policy and no local endpoints
 	// (kubeproxy_sync_proxy_rules_no_local_endpoints_total).
 	NoLocalEndpoints NoLocal
+	// Unserved names the service ports without endpoints (for kpipe status).
+	Unserved *Unserved
 }
 
 // Table is the plan's payload for table ("nat", "filter"), nil when it has none.
@@ -71,6 +75,31 @@ func (n NoLocal) Plus(m NoLocal) NoLocal {
 // Minus is n with m's counts taken away.
 func (n NoLocal) Minus(m NoLocal) NoLocal {
 	return NoLocal{Internal: n.Internal - m.Internal, External: n.External - m.External}
+}
+
+// Unserved names the service ports ("ns/name:port") whose traffic has no
+// endpoint to go to: with no endpoints at all (their rules REJECT), or with a
+// Local traffic policy and no endpoint on this node (their rules DROP what that
+// policy covers).
+type Unserved struct {
+	NoEndpoints      Names `json:"noEndpoints"`
+	NoLocalEndpoints Names `json:"noLocalEndpoints"`
+}
+
+// MaxNames bounds Names.First: a node with 50,000 services without endpoints
+// must not make a huge status answer.
+const MaxNames = 100
+
+// Names are the first MaxNames of a set of names in order, and how many it has.
+type Names struct {
+	First []string `json:"first,omitempty"`
+	Total int      `json:"total"`
+}
+
+// NamesOf is the sorted, bounded Names of set.
+func NamesOf(set map[string]bool) Names {
+	all := slices.Sorted(maps.Keys(set))
+	return Names{First: all[:min(len(all), MaxNames):min(len(all), MaxNames)], Total: len(all)}
 }
 
 // TablePayload is every chain kpipe wants in one table, in dependency order: a

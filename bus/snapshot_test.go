@@ -1,6 +1,8 @@
 package bus_test
 
 import (
+	"fmt"
+	"slices"
 	"testing"
 
 	"github.com/kpipe/kpipe/bus"
@@ -31,5 +33,22 @@ func TestNoLocalPlusAndMinus(t *testing.T) {
 	}
 	if got, want := a.Minus(b), (bus.NoLocal{Internal: 2, External: 3}); got != want {
 		t.Errorf("%v.Minus(%v) = %v; want %v", a, b, got, want)
+	}
+}
+
+// TestNamesOfIsSortedAndBounded: a set of names is told in order, at most
+// bus.MaxNames of them, with how many there are.
+func TestNamesOfIsSortedAndBounded(t *testing.T) {
+	if got := bus.NamesOf(map[string]bool{"ns/b:http": true, "ns/a:dns": true}); !slices.Equal(got.First, []string{"ns/a:dns", "ns/b:http"}) || got.Total != 2 {
+		t.Errorf("NamesOf two names = %+v, want them sorted, total 2", got)
+	}
+	set := map[string]bool{}
+	for i := range bus.MaxNames + 50 {
+		set[fmt.Sprintf("ns/svc-%04d:http", i)] = true
+	}
+	got := bus.NamesOf(set)
+	if len(got.First) != bus.MaxNames || got.First[0] != "ns/svc-0000:http" || got.First[bus.MaxNames-1] != fmt.Sprintf("ns/svc-%04d:http", bus.MaxNames-1) || got.Total != bus.MaxNames+50 {
+		t.Errorf("NamesOf %d names = %d first (%s..%s), total %d; want the first %d in order, total %d",
+			len(set), len(got.First), got.First[0], got.First[len(got.First)-1], got.Total, bus.MaxNames, len(set))
 	}
 }

@@ -126,6 +126,9 @@ func runReloading(ctx context.Context, o *Options, d deps, changed <-chan struct
 	reconfigure func(*Options, deps) (deps, error)) error {
 	var afterSyncDone atomic.Bool
 	pending := newPendingWork() // outlives the trees: a reload carries their work over
+	if d.reloads == nil {
+		d.reloads = &health.Reloads{} // outlives the trees too
+	}
 	for {
 		d.log.Info("kpipe starting", "node", o.HostnameOverride, "families", fmt.Sprint(d.families()), "mode", "iptables")
 		d.board, d.pending, d.fatal = bus.NewBoard(), pending, make(chan error, 1)
@@ -230,6 +233,7 @@ type reloadReporter struct {
 	log      *slog.Logger
 	metrics  *metrics.Metrics
 	recorder k8sevents.EventRecorder
+	reloads  *health.Reloads // nil: not kept
 }
 
 func (r reloadReporter) rejected(err error) {
@@ -237,14 +241,21 @@ func (r reloadReporter) rejected(err error) {
 	r.metrics.ConfigReloads.WithLabelValues(metrics.ReloadFailure).Inc()
 	r.metrics.ConfigReloadSuccessful.Set(0)
 	events.RecordReloadFailure(r.recorder, r.node, r.path, err)
+	r.record(err)
 }
 
 func (r reloadReporter) accepted(same bool) {
 	r.metrics.ConfigReloads.WithLabelValues(metrics.ReloadSuccess).Inc()
 	r.metrics.ConfigReloadSuccessful.Set(1)
+	r.record(nil)
 	if same {
 		r.log.Info("config file changed; the effective configuration is the same", "path", r.path)
 		return
 	}
 	r.log.Info("config file changed; rebuilding the pipeline with the new configuration", "path", r.path)
+}
+
+// record keeps the reload's outcome for /status.
+func (r reloadReporter) record(err error) {
+	r.reloads.Record(time.Now(), err)
 }

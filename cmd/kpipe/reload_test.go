@@ -24,6 +24,7 @@ import (
 	"github.com/kpipe/kpipe/stages/commit/fakekernel"
 	"github.com/kpipe/kpipe/stages/conntrack"
 	"github.com/kpipe/kpipe/stages/events"
+	"github.com/kpipe/kpipe/stages/health"
 )
 
 // configMapDir lays out dir as the kubelet mounts a ConfigMap: name is a
@@ -165,6 +166,7 @@ func TestReloadRebuildsTheTree(t *testing.T) {
 	client, kernel, d, cm := b.client, b.kernel, &b.d, b.cm
 	var afterSyncs atomic.Int32
 	d.afterSync = func(context.Context, *slog.Logger) { afterSyncs.Add(1) }
+	d.reloads = &health.Reloads{} // what /status tells of the last reload
 
 	ctx := b.run(t, nil)
 	createWebService(ctx, t, client)
@@ -192,6 +194,9 @@ func TestReloadRebuildsTheTree(t *testing.T) {
 	if v := testutil.ToFloat64(d.metrics.ConfigReloadSuccessful); v != 0 {
 		t.Errorf("kpipe_config_last_reload_successful = %v after a rejected file, want 0", v)
 	}
+	if last := d.reloads.Last(); last == nil || last.OK || !strings.Contains(last.Error, "masqueradeBit") {
+		t.Errorf("last reload for /status = %+v after a rejected file, want failed, naming masqueradeBit", last)
+	}
 	for range 5 { // the rejected file's masqueradeAll: false is not applied
 		if nat := kernel.Rules("nat"); !masqueraded(nat) {
 			t.Fatalf("the rejected file was applied: no masquerade rule")
@@ -203,6 +208,9 @@ func TestReloadRebuildsTheTree(t *testing.T) {
 	waitNAT(t, kernel, "ns/web not masqueraded after masqueradeAll is dropped (with an unknown field)", func(nat []string) bool { return !masqueraded(nat) })
 	if v := testutil.ToFloat64(d.metrics.ConfigReloadSuccessful); v != 1 {
 		t.Errorf("kpipe_config_last_reload_successful = %v after a file with an unknown field, want 1", v)
+	}
+	if last := d.reloads.Last(); last == nil || !last.OK || last.Error != "" {
+		t.Errorf("last reload for /status = %+v after a file with an unknown field, want OK", last)
 	}
 	if n := testutil.ToFloat64(d.metrics.ConfigReloads.WithLabelValues(metrics.ReloadSuccess)); n != 2 {
 		t.Errorf("%v successful reloads counted, want 2", n)

@@ -50,6 +50,9 @@ type deps struct {
 	board   *bus.Board // the stages' reports (required: runReloading makes one per tree)
 	// pending is the work one tree's stages leave another; nil: new mailboxes.
 	pending *pendingWork
+	// reloads keeps the config file's last reload for /status across the
+	// trees it replaces; nil: none told.
+	reloads *health.Reloads
 	// afterSync is done once every family has made its first full sync
 	// (removeNFTablesMode); nil: nothing.
 	afterSync func(context.Context, *slog.Logger)
@@ -76,7 +79,8 @@ func (d deps) stopFatal() func(error) {
 
 // reloadReporter reports the config file's changes while a tree built from o runs.
 func (d deps) reloadReporter(o *Options) reloadReporter {
-	return reloadReporter{path: o.ConfigFile, node: o.HostnameOverride, log: d.log, metrics: d.metrics, recorder: d.recorder}
+	return reloadReporter{path: o.ConfigFile, node: o.HostnameOverride, log: d.log, metrics: d.metrics, recorder: d.recorder,
+		reloads: d.reloads}
 }
 
 // families are the families kpipe programs, IPv4 first.
@@ -163,6 +167,7 @@ func buildTree(o *Options, d deps) *supervise.Supervisor {
 		Profiling: o.EnableProfiling, DebugAddr: o.debugAddr(),
 		SyncPeriod: o.SyncPeriod, NodeName: o.HostnameOverride, Families: d.families(), Configz: o.configz(), SideStages: r.sideStages(),
 	}, Board: board, Gatherer: metrics.Served(d.registry), SetVerbosity: setVerbosity, Checks: checks, Stages: stagesHandler,
+		StageStatus: func() []supervise.Status { return root.Status() }, Reloads: d.reloads,
 		Env: envs.For(bus.Health), Recorder: d.recorder, Fatal: d.stopFatal()}).Run
 
 	onRestart := func(stage string, err error) {

@@ -618,7 +618,7 @@ func (l *loop) send(f *familyState, now time.Time) {
 func (s *Stage) publish(fams []*familyState, queued time.Time) {
 	for _, f := range fams {
 		f.status.Update(func(r *bus.Report) {
-			r.PendingSince = f.oldest
+			r.PendingSince, r.PendingServices, r.PendingEndpoints = f.oldest, f.pendingServices, f.pendingEndpoints
 			if !queued.IsZero() {
 				r.LastQueued = queued
 			}

@@ -298,7 +298,7 @@ func (s *Stage) record(plan *bus.Plan, full bool, start, now time.Time) {
 	s.metrics.NoLocalEndpoints.WithLabelValues("internal", family).Set(float64(plan.NoLocalEndpoints.Internal))
 	s.metrics.NoLocalEndpoints.WithLabelValues("external", family).Set(float64(plan.NoLocalEndpoints.External))
 	s.p.Env.Status.Update(func(r *bus.Report) {
-		r.LastSync, r.Generation = now, plan.Generation
+		r.LastSync, r.Generation, r.LastSyncDuration, r.Unserved = now, plan.Generation, now.Sub(began), plan.Unserved
 		if full {
 			r.LastFullSync = now
 		}

@@ -1,6 +1,7 @@
 // Package health is the health stage: it serves kube-proxy's HTTP surface — /healthz
 // and /livez on the healthz listener; /metrics, /proxyMode, /configz, /healthz (and
-// pprof with kube-proxy's --profiling) on the metrics listener — kpipe's debug
+// pprof with kube-proxy's --profiling) and kpipe's /sync and /status on the
+// metrics listener — kpipe's debug
 // handlers (pprof, /debug/stages) on their own listener, and one HTTP server per
 // healthCheckNodePort, from what the other stages publish on the board and in the
 // health-check mailbox.
@@ -21,6 +22,7 @@ import (
 
 	"github.com/kpipe/kpipe/bus"
 	"github.com/kpipe/kpipe/metrics"
+	"github.com/kpipe/kpipe/supervise"
 )
 
 // Config says where and what the health stage serves.
@@ -77,10 +79,13 @@ type Health struct {
 	metrics  *metrics.Metrics
 	checks   *bus.Mailbox[bus.HealthCheckUpdates]
 	stages   http.Handler
-	setV     func(string) (string, error) // /debug/flags/v's PUT (with Profiling); nil: not served
-	log      *slog.Logger
-	recorder k8sevents.EventRecorder // nil: no events
-	fatal    func(error)
+	// stageStatus lists the supervised stages for /status; nil: none.
+	stageStatus func() []supervise.Status
+	reloads     *Reloads                     // nil: no reload yet
+	setV        func(string) (string, error) // /debug/flags/v's PUT (with Profiling); nil: not served
+	log         *slog.Logger
+	recorder    k8sevents.EventRecorder // nil: no events
+	fatal       func(error)
 
 	// started stands for kube-proxy's "Updated() at the start of SyncLoop": a family
 	// that has never committed counts as updated at this time.
@@ -110,6 +115,11 @@ type Params struct {
 	// Stages is the supervisor's /debug/stages handler (mounted only on the
 	// debug listener; may be nil).
 	Stages http.Handler
+	// StageStatus lists the supervised stages, read-only, for /status on the
+	// metrics listener (the supervisor's Status); nil: none listed.
+	StageStatus func() []supervise.Status
+	// Reloads is the config file's last reload, for /status; nil: none.
+	Reloads *Reloads
 	// SetVerbosity sets the log verbosity from a PUT to /debug/flags/v,
 	// served with Profiling as kube-proxy does, and says what it did; nil:
 	// not served.
@@ -165,24 +175,26 @@ func NewStage(p Params) *Health {
 		families = []bus.Family{bus.IPv4}
 	}
 	return &Health{
-		cfg:      cfg,
-		families: families,
-		timeout:  2 * period,
-		board:    board,
-		gatherer: p.Gatherer,
-		metrics:  p.Env.Metrics,
-		checks:   p.Checks,
-		stages:   p.Stages,
-		setV:     p.SetVerbosity,
-		log:      log,
-		recorder: p.Recorder,
-		fatal:    p.Fatal,
-		started:  time.Now(),
-		now:      time.Now,
-		grace:    shutdownGrace,
-		after:    time.After,
-		latest:   map[bus.Family]bus.HealthChecks{},
-		bound:    map[string]net.Addr{},
+		cfg:         cfg,
+		families:    families,
+		timeout:     2 * period,
+		board:       board,
+		gatherer:    p.Gatherer,
+		metrics:     p.Env.Metrics,
+		checks:      p.Checks,
+		stages:      p.Stages,
+		stageStatus: p.StageStatus,
+		reloads:     p.Reloads,
+		setV:        p.SetVerbosity,
+		log:         log,
+		recorder:    p.Recorder,
+		fatal:       p.Fatal,
+		started:     time.Now(),
+		now:         time.Now,
+		grace:       shutdownGrace,
+		after:       time.After,
+		latest:      map[bus.Family]bus.HealthChecks{},
+		bound:       map[string]net.Addr{},
 	}
 }
 

@@ -17,12 +17,12 @@ import (
 // proxyMode is what /proxyMode answers: kpipe stands in for kube-proxy's iptables mode.
 const proxyMode = "iptables"
 
-// configzKey is the key kube-proxy's configuration is registered under in /configz.
-const configzKey = "kubeproxy.config.k8s.io"
+// ConfigzKey is the key kube-proxy's configuration is registered under in /configz.
+const ConfigzKey = "kubeproxy.config.k8s.io"
 
 // metricsMux serves the metrics listener as kube-proxy's serveMetrics does: /healthz
 // (the ping-only apiserver healthz), /metrics/slis (its SLI), /proxyMode, /metrics,
-// /configz, kpipe's /sync and, with Profiling, the profiling handlers and
+// /configz, kpipe's /sync and /status and, with Profiling, the profiling handlers and
 // /debug/flags/v. Never /debug/stages: that is the debug listener's alone.
 func (h *Health) metricsMux() http.Handler {
 	mux := http.NewServeMux()
@@ -40,6 +40,7 @@ func (h *Health) metricsMux() http.Handler {
 	}
 	mux.HandleFunc("/configz", h.serveConfigz)
 	mux.HandleFunc("GET /sync", h.serveSync)
+	mux.HandleFunc("GET /status", h.serveStatus)
 	if h.cfg.Profiling {
 		handlePprof(mux)
 		if h.setV != nil {
@@ -145,7 +146,7 @@ func servePingHealthz(w http.ResponseWriter, r *http.Request) {
 func (h *Health) serveConfigz(w http.ResponseWriter, _ *http.Request) {
 	configs := map[string]any{}
 	if h.cfg.Configz != nil {
-		configs[configzKey] = h.cfg.Configz
+		configs[ConfigzKey] = h.cfg.Configz
 	}
 	b, err := json.Marshal(configs)
 	if err != nil {

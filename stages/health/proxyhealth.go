@@ -8,20 +8,20 @@ import (
 	"github.com/kpipe/kpipe/bus"
 )
 
-// proxierHealth is one family's health, as kube-proxy's ProxierHealth.
-type proxierHealth struct {
+// ProxierHealth is one family's health, as kube-proxy's ProxierHealth.
+type ProxierHealth struct {
 	LastUpdated time.Time `json:"lastUpdated"`
 	Healthy     bool      `json:"healthy"`
 }
 
-// proxyHealth is the body of /healthz and /livez, field for field kube-proxy's
+// ProxyHealth is the body of /healthz and /livez, field for field kube-proxy's
 // ProxyHealth (pkg/proxy/healthcheck), so it marshals to the same JSON.
-type proxyHealth struct {
+type ProxyHealth struct {
 	LastUpdated  time.Time                `json:"lastUpdated"`
 	CurrentTime  time.Time                `json:"currentTime"`
 	NodeEligible *bool                    `json:"nodeEligible,omitempty"`
 	Healthy      bool                     `json:"healthy"`
-	Status       map[string]proxierHealth `json:"status,omitempty"` // by "IPv4" / "IPv6"
+	Status       map[string]ProxierHealth `json:"status,omitempty"` // by "IPv4" / "IPv6"
 	// Degraded is kpipe's own: the names of side stages that failed recently. Never
 	// their errors: this port is reachable from every pod, and stage errors carry
 	// iptables and conntrack output (they stay on the debug listener's
@@ -34,8 +34,8 @@ type proxyHealth struct {
 // or longer; a family that has never committed counts as updated at started (kube-
 // proxy marks each proxier updated when its sync loop starts). LastUpdated is the
 // newest over the families. It ignores the node (see nodeEligible).
-func decide(reports map[bus.StageName]bus.Report, families []bus.Family, started, now time.Time, timeout time.Duration) proxyHealth {
-	ph := proxyHealth{CurrentTime: now, Healthy: true, Status: make(map[string]proxierHealth, len(families))}
+func decide(reports map[bus.StageName]bus.Report, families []bus.Family, started, now time.Time, timeout time.Duration) ProxyHealth {
+	ph := ProxyHealth{CurrentTime: now, Healthy: true, Status: make(map[string]ProxierHealth, len(families))}
 	for _, f := range families {
 		last := reports[bus.Commit.Of(f)].LastSync
 		if last.IsZero() {
@@ -49,7 +49,7 @@ func decide(reports map[bus.StageName]bus.Report, families []bus.Family, started
 			healthy = false
 			ph.Healthy = false
 		}
-		ph.Status[f.String()] = proxierHealth{LastUpdated: last, Healthy: healthy}
+		ph.Status[f.String()] = ProxierHealth{LastUpdated: last, Healthy: healthy}
 	}
 	return ph
 }
@@ -74,7 +74,7 @@ func degraded(reports map[bus.StageName]bus.Report, side []bus.StageName, now ti
 }
 
 // proxyHealth is the current health, without the node check.
-func (h *Health) proxyHealth() proxyHealth {
+func (h *Health) proxyHealth() ProxyHealth {
 	return decide(h.board.Read(), h.families, h.started, h.now(), h.timeout)
 }
 
@@ -104,7 +104,7 @@ func (h *Health) serveLivez(w http.ResponseWriter, _ *http.Request) {
 	h.answer(w, ph, ph.Healthy, now, "livez")
 }
 
-func (h *Health) answer(w http.ResponseWriter, ph proxyHealth, healthy bool, now time.Time, which string) {
+func (h *Health) answer(w http.ResponseWriter, ph ProxyHealth, healthy bool, now time.Time, which string) {
 	w.Header().Set("Content-Type", "application/json")
 	w.Header().Set("X-Content-Type-Options", "nosniff")
 	code := http.StatusServiceUnavailable

@@ -26,9 +26,14 @@ func (h *Health) serveSync(w http.ResponseWriter, _ *http.Request) {
 		r := reports[bus.Commit.Of(f)]
 		out[f.String()] = familySync{Generation: r.Generation, LastSync: r.LastSync, LastFullSync: r.LastFullSync}
 	}
-	body, err := json.Marshal(out)
+	h.writeJSON(w, "sync status", out)
+}
+
+// writeJSON answers v as JSON; what names it in the log.
+func (h *Health) writeJSON(w http.ResponseWriter, what string, v any) {
+	body, err := json.Marshal(v)
 	if err != nil { // cannot happen: plain types, times within range
-		h.log.Error("marshal sync status", "err", err)
+		h.log.Error("marshal "+what, "err", err)
 		http.Error(w, err.Error(), http.StatusInternalServerError)
 		return
 	}

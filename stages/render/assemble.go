@@ -307,6 +307,11 @@ type planMaps struct {
 	udp     map[netip.AddrPort]udpSlot
 	checks  map[bus.ServiceKey]bus.HealthCheck
 	noLocal bus.NoLocal
+	// unserved are the labels of the service ports without endpoints and,
+	// local, without local endpoints; outUnserved names them for the last
+	// plan, nil when they changed since.
+	unserved    map[bool]map[string]bool
+	outUnserved *bus.Unserved
 	// rescan: a front-end two services had lost the one that set it; the
 	// UDP map is worked out again from every service.
 	rescan bool
@@ -324,7 +329,8 @@ type udpSlot struct {
 }
 
 func newPlanMaps() planMaps {
-	return planMaps{udp: map[netip.AddrPort]udpSlot{}, checks: map[bus.ServiceKey]bus.HealthCheck{}}
+	return planMaps{udp: map[netip.AddrPort]udpSlot{}, checks: map[bus.ServiceKey]bus.HealthCheck{},
+		unserved: map[bool]map[string]bool{false: {}, true: {}}}
 }
 
 // replace takes old's entries (nil: none) out and new's (nil: none) in, for
@@ -344,6 +350,9 @@ func (m *planMaps) replace(key bus.ServiceKey, old, new *cachedService) {
 			delete(m.checks, c.key)
 		}
 		m.noLocal = m.noLocal.Minus(old.r.noLocal)
+		for _, u := range old.r.unserved {
+			delete(m.unserved[u.local], u.label)
+		}
 	}
 	if new != nil {
 		m.addUDP(key, new.r.udp)
@@ -351,6 +360,12 @@ func (m *planMaps) replace(key bus.ServiceKey, old, new *cachedService) {
 			m.checks[c.key] = c.hc
 		}
 		m.noLocal = m.noLocal.Plus(new.r.noLocal)
+		for _, u := range new.r.unserved {
+			m.unserved[u.local][u.label] = true
+		}
+	}
+	if old != nil && len(old.r.unserved) > 0 || new != nil && len(new.r.unserved) > 0 {
+		m.outUnserved = nil
 	}
 	if old != nil && (len(old.r.udp) > 0 || len(old.r.checks) > 0) || new != nil && (len(new.r.udp) > 0 || len(new.r.checks) > 0) {
 		m.outUDP, m.outChecks = nil, nil
@@ -386,4 +401,8 @@ func (m *planMaps) fill(p *bus.Plan, services []*cachedService, keys []bus.Servi
 	}
 	p.UDP, p.HealthChecks.Services = m.outUDP, m.outChecks
 	p.NoLocalEndpoints = m.noLocal
+	if m.outUnserved == nil {
+		m.outUnserved = &bus.Unserved{NoEndpoints: bus.NamesOf(m.unserved[false]), NoLocalEndpoints: bus.NamesOf(m.unserved[true])}
+	}
+	p.Unserved = m.outUnserved
 }

@@ -6,6 +6,7 @@ import (
 	"maps"
 	"math/rand/v2"
 	"net/netip"
+	"reflect"
 	"slices"
 	"testing"
 
@@ -39,9 +40,9 @@ func TestRendererCacheMatchesFreshRender(t *testing.T) {
 			t.Fatalf("step %d: chain hashes differ", step)
 		}
 		if !maps.EqualFunc(got.UDP, want.UDP, slices.Equal) || !maps.Equal(got.HealthChecks.Services, want.HealthChecks.Services) ||
-			got.NoLocalEndpoints != want.NoLocalEndpoints {
-			t.Fatalf("step %d: cached render's UDP front-ends, health checks or counts differ from a fresh one:\n%v %v %v\n%v %v %v", step,
-				got.UDP, got.HealthChecks.Services, got.NoLocalEndpoints, want.UDP, want.HealthChecks.Services, want.NoLocalEndpoints)
+			got.NoLocalEndpoints != want.NoLocalEndpoints || !reflect.DeepEqual(got.Unserved, want.Unserved) {
+			t.Fatalf("step %d: cached render's UDP front-ends, health checks, counts or unserved ports differ from a fresh one:\n%v %v %v %v\n%v %v %v %v", step,
+				got.UDP, got.HealthChecks.Services, got.NoLocalEndpoints, got.Unserved, want.UDP, want.HealthChecks.Services, want.NoLocalEndpoints, want.Unserved)
 		}
 		for i := range got.Tables {
 			if got.Tables[i].RuleCount != want.Tables[i].RuleCount {

@@ -296,6 +296,7 @@ type rendering struct {
 	udp         []udpFrontEnd
 	checks      []healthCheck
 	noLocal     bus.NoLocal
+	unserved    []unservedPort
 	buckets     []netip.Prefix
 	endpoints   int32 // as kube-proxy counts them (largeClusterEndpoints)
 }
@@ -312,6 +313,13 @@ type part struct {
 	rank       uint8
 }
 
+// unservedPort is a service port without endpoints (local: without local
+// endpoints for its Local policy), by its label.
+type unservedPort struct {
+	label string
+	local bool
+}
+
 type udpFrontEnd struct {
 	front netip.AddrPort
 	to    []netip.AddrPort
@@ -324,7 +332,7 @@ type healthCheck struct {
 
 // compact is what the cache keeps of one service's ruleWriter.
 func (r *ruleWriter) compact() rendering {
-	out := rendering{nat: r.nat.parts(), filter: r.filter.parts(), noLocal: r.noLocal, endpoints: int32(r.endpoints)}
+	out := rendering{nat: r.nat.parts(), filter: r.filter.parts(), noLocal: r.noLocal, unserved: r.unserved, endpoints: int32(r.endpoints)}
 	r.nat.release()
 	r.filter.release()
 	for k, v := range r.udp {

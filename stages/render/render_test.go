@@ -3,6 +3,7 @@ package render
 import (
 	"fmt"
 	"net/netip"
+	"reflect"
 	"slices"
 	"strings"
 	"testing"
@@ -193,6 +194,34 @@ func TestHealthChecksAndNoLocalCounts(t *testing.T) {
 	}
 	if p.NoLocalEndpoints != (bus.NoLocal{External: 1}) {
 		t.Errorf("no-local counts = %v, want external 1, internal 0", p.NoLocalEndpoints)
+	}
+}
+
+// TestUnservedPorts: the plan names the service ports without endpoints and,
+// for a Local policy, without local endpoints; a port with endpoints is in
+// neither, and one that gets an endpoint leaves the list.
+func TestUnservedPorts(t *testing.T) {
+	served := svc("ns", "served", "10.96.0.1", port("http", bus.TCP, 80))
+	empty := svc("ns", "empty", "10.96.0.2", port("http", bus.TCP, 80), port("dns", bus.UDP, 53))
+	remote := svc("ns", "remote", "10.96.0.3", bus.Port{Name: "http", Protocol: bus.TCP, Port: 80, NodePort: 30080})
+	remote.ExternalPolicyLocal = true
+	eps := []bus.EndpointPort{eport("http", bus.TCP, 8080)}
+	servedSlice := slice(served, "served-1", eps, ep("10.244.1.5", testNode))
+	remoteSlice := slice(remote, "remote-1", eps, ep("10.244.2.7", "node-b"))
+	rr := NewRenderer(baseConfig())
+	p := rr.Render(full(state(node(), served, empty, remote, servedSlice, remoteSlice)))
+	want := bus.Unserved{
+		NoEndpoints:      bus.Names{First: []string{"ns/empty:dns", "ns/empty:http"}, Total: 2},
+		NoLocalEndpoints: bus.Names{First: []string{"ns/remote:http"}, Total: 1},
+	}
+	if p.Unserved == nil || !reflect.DeepEqual(*p.Unserved, want) {
+		t.Errorf("unserved = %+v, want %+v", p.Unserved, want)
+	}
+	emptySlice := slice(empty, "empty-1", []bus.EndpointPort{eport("http", bus.TCP, 8080)}, ep("10.244.1.6", testNode))
+	p = rr.Render(full(state(node(), served, empty, remote, servedSlice, remoteSlice, emptySlice)))
+	want.NoEndpoints = bus.Names{First: []string{"ns/empty:dns"}, Total: 1}
+	if p.Unserved == nil || !reflect.DeepEqual(*p.Unserved, want) {
+		t.Errorf("after ns/empty:http got an endpoint: unserved = %+v, want %+v", p.Unserved, want)
 	}
 }
 

@@ -25,6 +25,7 @@ type ruleWriter struct {
 	udp        map[netip.AddrPort][]netip.AddrPort
 	checks     map[bus.ServiceKey]bus.HealthCheck
 	noLocal    bus.NoLocal
+	unserved   []unservedPort
 	buckets    map[netip.Prefix]bool
 	// largeCluster: the endpoint rules take their large-cluster shape (see
 	// largeClusterEndpoints); endpoints counts the endpoints written for it.
@@ -269,6 +270,11 @@ func (r *ruleWriter) decide(sp *servicePort) decision {
 		d.lbChain = sp.fwChain
 	}
 	d.extTarget, d.extComment = d.intTarget, d.intComment
+	if !d.hasEndpoints {
+		r.unserved = append(r.unserved, unservedPort{label: sp.label})
+	} else if !d.hasInternal || !d.hasExternal {
+		r.unserved = append(r.unserved, unservedPort{label: sp.label, local: true})
+	}
 	if d.hasEndpoints {
 		if !d.hasInternal {
 			d.intTarget, d.intComment = "DROP", sp.label+" has no local endpoints"
