@@ -1,8 +1,8 @@
 // Command demo shows kpipe at work: it starts the e2e test bed (kube-apiserver,
 // etcd, a node namespace, 3 pods), runs kpipe in the node, creates a TCP and a
 // UDP service with pods 1 and 2 as endpoints, prints real answers through
-// their ClusterIPs as pod 3 sees them and the rules kpipe wrote, then removes
-// everything. Needs root. Run from the repository:
+// their ClusterIPs as pod 3 sees them and the rules kpipe wrote, ends by
+// explaining one of pod 3's packets (kpipe explain), then removes everything. Needs root. Run from the repository:
 //
 //	go run ./e2e/demo
 //
@@ -142,5 +142,23 @@ func show(ctx context.Context, tb *testbed.Testbed) (int, error) {
 		return 1, fmt.Errorf("only %d distinct endpoint(s) answered through the TCP ClusterIP: %v", len(endpoints), endpoints)
 	}
 	fmt.Printf("\n%d different endpoints answered through one ClusterIP: %v\n", len(endpoints), endpoints)
+	return explainOne(tb, k, svcs[0])
+}
+
+// explainOne asks kpipe explain, on the node's live rules, where pod 3's
+// request to the TCP service goes; it must name both endpoints that answered.
+func explainOne(tb *testbed.Testbed, k *testbed.Kpipe, svc *corev1.Service) (int, error) {
+	args := []string{"explain", "--from", "pod", "--src", tb.Pod(3).IPv4, "--dst", testbed.ClusterAddr(svc, 80)}
+	fmt.Printf("\nwhy: kpipe %s   (in %s)\n\n", strings.Join(args, " "), tb.NodeNS)
+	out, err := tb.Exec(tb.NodeNS, append([]string{k.Bin}, args...)...)
+	if err != nil {
+		return 1, err
+	}
+	fmt.Print(out)
+	for _, pod := range []int{1, 2} {
+		if ep := tb.Pod(pod).Addr4(testbed.EchoPort); !strings.Contains(out, ep) {
+			return 1, fmt.Errorf("kpipe explain does not name endpoint %s", ep)
+		}
+	}
 	return 0, nil
 }
