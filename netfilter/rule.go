@@ -721,6 +721,8 @@ func (p *ruleParser) targetOption(name, opt string) error {
 			t.MarkOp = MarkXor
 		case "--and-mark":
 			t.MarkOp = MarkAnd
+		case "--set-xmark":
+			return t.setXMark(v)
 		default:
 			return fmt.Errorf("-j MARK %s", opt)
 		}
@@ -728,6 +730,27 @@ func (p *ruleParser) targetOption(name, opt string) error {
 		return err
 	}
 	return fmt.Errorf("-j %s %s", name, opt)
+}
+
+// setXMark reads MARK's --set-xmark value[/mask] (mark = mark&^mask ^ value),
+// which is how iptables-save prints --or-mark (value/value), --xor-mark
+// (value/0) and --and-mark (0/^value): as that operation. Any other is not
+// kpipe's rule language.
+func (t *Target) setXMark(v string) error {
+	value, mask, err := parseMark(v)
+	switch {
+	case err != nil:
+		return err
+	case mask == value:
+		t.MarkOp, t.Mark = MarkOr, value
+	case mask == 0:
+		t.MarkOp, t.Mark = MarkXor, value
+	case value == 0:
+		t.MarkOp, t.Mark = MarkAnd, ^mask
+	default:
+		return fmt.Errorf("-j MARK --set-xmark %s: not an or, xor or and", v)
+	}
+	return nil
 }
 
 // isChainName says whether name can name a chain: iptables' limit of 28
