@@ -129,7 +129,8 @@ func sameRule(a, b string) bool { return ruleKey(a) == ruleKey(b) }
 
 // ruleKey is what two lines of the same rule share: the rule as
 // netfilter.ParseRule reads it (so "-d 10.0.0.1" and "-d 10.0.0.1/32", a
-// quoted or bare comment, an implicit or explicit "-m tcp" are alike), or the
+// quoted or bare comment, an implicit or explicit "-m tcp", REJECT's default
+// named or not are alike), or the
 // line itself when kpipe's parser does not read it (another agent's rule).
 func ruleKey(line string) string {
 	r, err := nf.ParseRule(line)
@@ -139,8 +140,15 @@ func ruleKey(line string) string {
 	for i := range r.Matches {
 		r.Matches[i].Implicit = false
 	}
+	if defaultRejects[r.Target.RejectWith] { // iptables-save names the default
+		r.Target.RejectWith = ""
+	}
 	return fmt.Sprintf("%+v", r)
 }
+
+// defaultRejects are REJECT's defaults (IPv4's, IPv6's), which render leaves
+// out and iptables-save prints.
+var defaultRejects = map[string]bool{"icmp-port-unreachable": true, "icmp6-port-unreachable": true}
 
 // edit is one line of a diff: a deletion of a[i] or an insertion of b[i].
 type edit struct {

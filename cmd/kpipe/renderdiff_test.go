@@ -30,6 +30,7 @@ const rendered = `*nat
 -A KUBE-SVC-BBBBBBBBBBBBBBBB -m comment --comment "ns/b -> 10.244.0.11:8080" -m tcp -p tcp -j DNAT --to-destination 10.244.0.11:8080
 -A KUBE-SERVICES -m comment --comment "ns/a cluster IP" -m tcp -p tcp -d 10.96.0.1/32 --dport 80 -j KUBE-SVC-AAAAAAAAAAAAAAAA
 -A KUBE-SERVICES -m comment --comment "ns/b cluster IP" -m tcp -p tcp -d 10.96.0.2/32 --dport 80 -j KUBE-SVC-BBBBBBBBBBBBBBBB
+-A KUBE-SERVICES -m comment --comment "ns/c has no endpoints" -m tcp -p tcp -d 10.96.0.3/32 --dport 80 -j REJECT
 -A PREROUTING -m comment --comment "kubernetes service portals" -j KUBE-SERVICES
 COMMIT
 `
@@ -52,6 +53,7 @@ const inSync = `*nat
 -A KUBE-MARK-MASQ -j MARK --set-xmark 0x4000/0x4000
 -A KUBE-SERVICES -d 10.96.0.1/32 -p tcp -m comment --comment "ns/a cluster IP" -m tcp --dport 80 -j KUBE-SVC-AAAAAAAAAAAAAAAA
 -A KUBE-SERVICES -d 10.96.0.2/32 -p tcp -m comment --comment "ns/b cluster IP" -m tcp --dport 80 -j KUBE-SVC-BBBBBBBBBBBBBBBB
+-A KUBE-SERVICES -d 10.96.0.3/32 -p tcp -m comment --comment "ns/c has no endpoints" -m tcp --dport 80 -j REJECT --reject-with icmp-port-unreachable
 -A KUBE-SVC-AAAAAAAAAAAAAAAA ! -s 10.244.0.0/16 -d 10.96.0.1/32 -p tcp -m comment --comment "ns/a cluster IP" -m tcp --dport 80 -j KUBE-MARK-MASQ
 -A KUBE-SVC-AAAAAAAAAAAAAAAA -p tcp -m comment --comment "ns/a -> 10.244.0.10:8080" -m tcp -j DNAT --to-destination 10.244.0.10:8080
 -A KUBE-SVC-BBBBBBBBBBBBBBBB -p tcp -m comment --comment "ns/b -> 10.244.0.11:8080" -m tcp -j DNAT --to-destination 10.244.0.11:8080
