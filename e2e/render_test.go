@@ -20,7 +20,10 @@ import (
 )
 
 // kpipe render --diff in the node namespace, with the daemon's own flags: on
-// a node kpipe has synced it prints nothing and exits 0; with kpipe stopped
+// a node kpipe has synced (ClusterIPs, a LoadBalancer with
+// externalTrafficPolicy Local, externalIPs and local and remote endpoints, a
+// dual-stack NodePort with session affinity) it prints nothing and exits 0;
+// with kpipe stopped
 // and one Service changed in the apiserver (its port, then another's
 // endpoints) it prints exactly that Service's chains (and the bucket chain
 // that dispatches to it) and exits 2; once kpipe runs again it is empty.
@@ -30,6 +33,12 @@ func TestRenderDiff(t *testing.T) {
 	other := e.service("other", testbed.Port("http", corev1.ProtocolTCP, 80, testbed.EchoPort))
 	e.endpoints(other, 3)
 	waitAnswer(t, tcp(2*time.Second), client, testbed.ClusterAddr(other, 80), 20*time.Second)
+	e.externalTrafficPolicyLocal()
+	sticky := typed(e.ns, "sticky", corev1.ServiceTypeNodePort, testbed.Port("http", corev1.ProtocolTCP, 80, testbed.EchoPort))
+	sticky.Spec.SessionAffinity = corev1.ServiceAffinityClientIP
+	sticky = e.create(dualStack(sticky))
+	e.setEndpoints(sticky, tb.ReadyEndpoints(1, 2))
+	e.setEndpoints(sticky, tb.ReadyEndpoints6(1, 2))
 	t.Cleanup(func() {
 		if !e.k.Running() {
 			if err := e.k.Start(); err != nil {

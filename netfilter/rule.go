@@ -456,6 +456,7 @@ const (
 	bitSrcType
 	bitDstType
 	bitNFAcct
+	bitRecentMask // recent's --mask
 )
 
 // matchOption reads an option of the last match. --dport after -p and no
@@ -533,6 +534,8 @@ func matchOptionOf(kind MatchKind, opt string) (bit uint16, flag, negatable bool
 			return bitReap, true, false
 		case "--rsource", "--rdest":
 			return bitSide, true, false
+		case "--mask":
+			return bitRecentMask, false, false
 		}
 	case MatchMark:
 		if opt == "--mark" {
@@ -603,6 +606,12 @@ func (m *Match) set(opt, v string, not bool) error {
 		m.Reap = true
 	case "--rsource", "--rdest":
 		m.RDest = opt == "--rdest"
+	case "--mask":
+		// iptables-save prints recent's default, the full mask: no other
+		// is kpipe's.
+		if a, perr := netip.ParseAddr(v); perr != nil || !fullMask(a) {
+			return fmt.Errorf("recent --mask %q: only the full mask", v)
+		}
 	case "--mark":
 		m.Not = not
 		m.Mark, m.Mask, err = parseMark(v)
@@ -632,6 +641,16 @@ func (m *Match) set(opt, v string, not bool) error {
 		m.Text = v
 	}
 	return err
+}
+
+// fullMask says whether every bit of a is set.
+func fullMask(a netip.Addr) bool {
+	for _, b := range a.AsSlice() {
+		if b != 0xff {
+			return false
+		}
+	}
+	return true
 }
 
 // target reads -j name (-g when goTo) and the target's options, the rest of

@@ -51,6 +51,11 @@ func TestParseRule(t *testing.T) {
 			nf.Rule{Chain: "KUBE-SVL-A", Proto: tcp, Matches: []nf.Match{comment("demo/all:http -> 10.244.1.5:8080"),
 				{Kind: nf.MatchRecent, Text: "KUBE-SEP-B", Recent: nf.RecentCheck, Seconds: 600, Reap: true}, port(nf.ProtoTCP, 0)},
 				Target: jump("KUBE-SEP-B")}},
+		// As iptables-save prints it: recent's default mask named.
+		{`-A KUBE-SVL-A -p tcp -m recent --rcheck --seconds 600 --reap --name KUBE-SEP-B --mask ffff:ffff:ffff:ffff:ffff:ffff:ffff:ffff --rsource -m tcp -j KUBE-SEP-B`,
+			nf.Rule{Chain: "KUBE-SVL-A", Proto: tcp, Matches: []nf.Match{
+				{Kind: nf.MatchRecent, Text: "KUBE-SEP-B", Recent: nf.RecentCheck, Seconds: 600, Reap: true}, port(nf.ProtoTCP, 0)},
+				Target: jump("KUBE-SEP-B")}},
 		{`-A KUBE-SEP-B -m comment --comment "demo/all:http" -m recent --name KUBE-SEP-B --set -m udp -p udp -j DNAT --to-destination 10.244.1.5:53`,
 			nf.Rule{Chain: "KUBE-SEP-B", Proto: nf.Proto{Num: nf.ProtoUDP}, Matches: []nf.Match{comment("demo/all:http"),
 				{Kind: nf.MatchRecent, Text: "KUBE-SEP-B", Recent: nf.RecentSet}, port(nf.ProtoUDP, 0)},
@@ -159,7 +164,7 @@ func TestParseRuleRefuses(t *testing.T) {
 		{`-A KUBE-X -m statistic --mode random --probability 1.5 -j RETURN`, `probability "1.5"`},
 		{`-A KUBE-X -m recent --name X --seconds 10 -j RETURN`, "-m recent without --set"},
 		{`-A KUBE-X -m recent --name X --rcheck --update -j RETURN`, "--update twice"},
-		{`-A KUBE-X -m recent --name X --set --mask 255.255.255.0 -j RETURN`, "option --mask of -m recent"},
+		{`-A KUBE-X -m recent --name X --set --mask 255.255.255.0 -j RETURN`, `recent --mask "255.255.255.0"`},
 		{`-A KUBE-X -m mark --mark 0x4000/zz -j RETURN`, `mark "0x4000/zz"`},
 		{`-A KUBE-X -m conntrack --ctstate NEWISH -j RETURN`, `ctstate "NEWISH"`},
 		{`-A KUBE-X -m addrtype --dst-type LOCALISH -j RETURN`, `address type "LOCALISH"`},
