@@ -41,11 +41,18 @@ an error naming it. Only the Node named as the daemon names its node
 (--hostname-override, or the host name) is used. Invalid parts of objects are
 dropped as the daemon drops them (a count is printed on stderr).
 
+The IP families, and what the rules depend on of the host (MASQUERADE
+--random-fully, the nfacct objects, nf_conntrack_tcp_be_liberal), are read
+from this host as the daemon reads them, writing nothing.
+
 --diff compares the rendering with the node's rules (iptables-save, nat and
-filter) chain by chain: kpipe's chains, and its jumps in the built-in chains;
-never other agents' chains or rules. It prints a unified diff by chain
-("--- live", "+++ rendered", "@@ table CHAIN @@", rules with - and +) of what
-a sync would change.
+filter) chain by chain: kpipe's chains, and the jumps it ensures in the
+built-in chains (a missing one shows); never other agents' chains or rules,
+nor what kpipe leaves in place. It prints a unified diff by chain of what a
+sync would change: "--- live" and "+++ rendered" per family, "@@ table CHAIN @@"
+per chain, rules with - and + (a chain only one side has: its ":CHAIN -"
+declaration first). Rules are compared as kpipe reads them, so iptables-save's
+spelling of a rule equals render's.
 
 Exit codes: 0 rendered (with --diff: no difference, nothing printed);
 2 with --diff: the rules differ; 1 an error.`

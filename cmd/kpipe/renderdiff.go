@@ -17,47 +17,49 @@ type chainDiff struct {
 
 // diffRuleset compares what a sync with rendered would change in live, chain
 // by chain: kpipe's chains (what render writes, and the per-service and
-// dispatch chains a full sync deletes when the rendering lacks them), and in
-// the built-in chains kpipe's jumps (a rule jumping to a kpipe chain). Other
-// agents' chains and rules, and kpipe's top-level chains the rendering lacks
-// (which kpipe leaves), are not compared.
+// dispatch chains a full sync deletes when the rendering lacks them), and the
+// jumps kpipe ensures in the built-in chains (missing ones). Other agents'
+// chains and rules are not compared, nor what kpipe leaves in place: its
+// top-level chains and jumps the rendering lacks (a flag changed since they
+// were written), or where its jumps stand among other agents' rules.
 func diffRuleset(live, rendered nf.Ruleset) []chainDiff {
 	var out []chainDiff
-	add := func(table string, c nf.SavedChain, lines []string) {
+	add := func(table, chain string, lines []string) {
 		if len(lines) > 0 {
-			out = append(out, chainDiff{table, c.Name, lines})
+			out = append(out, chainDiff{table, chain, lines})
 		}
 	}
 	for _, want := range rendered.Tables {
 		have := live.Table(want.Name)
 		if have == nil {
-			have = &nf.SavedTable{Name: want.Name}
+			have = &nf.SavedTable{}
 		}
 		for _, c := range want.Chains {
-			add(want.Name, c, diffChain(have.Chain(c.Name), &c))
+			if isBuiltin(c.Policy) {
+				add(want.Name, c.Name, missingJumps(have.Chain(c.Name), c.Rules))
+			} else {
+				add(want.Name, c.Name, diffChain(have.Chain(c.Name), &c))
+			}
 		}
 		for _, c := range have.Chains {
-			if want.Chain(c.Name) == nil && (nf.KindOf(c.Name).Disposable() || isBuiltin(c.Policy)) {
-				add(want.Name, c, diffChain(&c, nil))
+			if want.Chain(c.Name) == nil && nf.KindOf(c.Name).Disposable() {
+				add(want.Name, c.Name, diffChain(&c, nil))
 			}
 		}
 	}
 	return out
 }
 
-// diffChain compares one chain (nil: that side lacks it). A user chain only
-// one side has starts with its declaration (":NAME -"), so that an empty
-// one shows too.
+// diffChain compares one of kpipe's chains (nil: that side lacks it). A chain
+// only one side has starts with its declaration (":NAME -"), so that an
+// empty one shows too.
 func diffChain(live, rendered *nf.SavedChain) []string {
 	var declared []string
 	switch {
-	case live == nil && !isBuiltin(rendered.Policy):
+	case live == nil:
 		declared = []string{"+:" + rendered.Name + " -"}
-	case rendered == nil && !isBuiltin(live.Policy):
+	case rendered == nil:
 		declared = []string{"-:" + live.Name + " -"}
-	}
-	if live != nil && isBuiltin(live.Policy) || rendered != nil && isBuiltin(rendered.Policy) {
-		return diffJumps(liveJumps(live), rulesOf(rendered))
 	}
 	return append(declared, diffRules(rulesOf(live), rulesOf(rendered))...)
 }
@@ -73,30 +75,13 @@ func rulesOf(c *nf.SavedChain) []string {
 	return c.Rules
 }
 
-// liveJumps are kpipe's jumps among a built-in chain's rules: those jumping
-// to a chain kpipe owns.
-func liveJumps(c *nf.SavedChain) []string {
-	var out []string
-	for _, line := range rulesOf(c) {
-		if r, err := nf.ParseRule(line); err == nil && nf.KindOf(r.Target.JumpsTo()) != nf.KindOther {
-			out = append(out, line)
-		}
-	}
-	return out
-}
-
-// diffJumps compares jumps as a set: kpipe inserts a missing jump and leaves
-// a present one where it is, behind other agents' rules (EnsureJumps).
-func diffJumps(live, rendered []string) []string {
+// missingJumps are the jumps ("+") that a built-in chain lacks: kpipe inserts
+// those and leaves a present one where it is (EnsureJumps).
+func missingJumps(live *nf.SavedChain, jumps []string) []string {
 	var lines []string
-	for _, l := range live {
-		if !slices.ContainsFunc(rendered, func(r string) bool { return sameRule(l, r) }) {
-			lines = append(lines, "-"+l)
-		}
-	}
-	for _, r := range rendered {
-		if !slices.ContainsFunc(live, func(l string) bool { return sameRule(l, r) }) {
-			lines = append(lines, "+"+r)
+	for _, j := range jumps {
+		if !slices.ContainsFunc(rulesOf(live), func(l string) bool { return sameRule(l, j) }) {
+			lines = append(lines, "+"+j)
 		}
 	}
 	return lines

@@ -36,10 +36,12 @@ COMMIT
 `
 
 // inSync is the node holding exactly that, as iptables-save prints it (its
-// option order, --set-xmark, another agent's chain and rules, a top-level
-// chain kpipe did not render, which it leaves).
+// option order, --set-xmark, REJECT's default named), with another agent's
+// chain and rules (one before kpipe's jump), and a top-level chain and a jump
+// kpipe did not render, which it leaves.
 const inSync = `*nat
 :PREROUTING ACCEPT [0:0]
+:INPUT ACCEPT [0:0]
 :CNI-HOSTPORT-DNAT - [0:0]
 :KUBE-FIREWALL - [0:0]
 :KUBE-MARK-MASQ - [0:0]
@@ -48,6 +50,7 @@ const inSync = `*nat
 :KUBE-SVC-BBBBBBBBBBBBBBBB - [0:0]
 -A PREROUTING -m addrtype --dst-type LOCAL -j CNI-HOSTPORT-DNAT
 -A PREROUTING -m comment --comment "kubernetes service portals" -j KUBE-SERVICES
+-A INPUT -j KUBE-FIREWALL
 -A CNI-HOSTPORT-DNAT -p tcp -m tcp --dport 8443 -j DNAT --to-destination 10.244.0.99:443
 -A KUBE-FIREWALL -j DROP
 -A KUBE-MARK-MASQ -j MARK --set-xmark 0x4000/0x4000
