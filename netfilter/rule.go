@@ -456,6 +456,7 @@ const (
 	bitSrcType
 	bitDstType
 	bitNFAcct
+	bitRecentMask // recent's --mask
 )
 
 // matchOption reads an option of the last match. --dport after -p and no
@@ -533,6 +534,8 @@ func matchOptionOf(kind MatchKind, opt string) (bit uint16, flag, negatable bool
 			return bitReap, true, false
 		case "--rsource", "--rdest":
 			return bitSide, true, false
+		case "--mask":
+			return bitRecentMask, false, false
 		}
 	case MatchMark:
 		if opt == "--mark" {
@@ -603,6 +606,12 @@ func (m *Match) set(opt, v string, not bool) error {
 		m.Reap = true
 	case "--rsource", "--rdest":
 		m.RDest = opt == "--rdest"
+	case "--mask":
+		// iptables-save prints recent's default, the full mask: no other
+		// is kpipe's.
+		if a, perr := netip.ParseAddr(v); perr != nil || !fullMask(a) {
+			return fmt.Errorf("recent --mask %q: only the full mask", v)
+		}
 	case "--mark":
 		m.Not = not
 		m.Mark, m.Mask, err = parseMark(v)
@@ -632,6 +641,16 @@ func (m *Match) set(opt, v string, not bool) error {
 		m.Text = v
 	}
 	return err
+}
+
+// fullMask says whether every bit of a is set.
+func fullMask(a netip.Addr) bool {
+	for _, b := range a.AsSlice() {
+		if b != 0xff {
+			return false
+		}
+	}
+	return true
 }
 
 // target reads -j name (-g when goTo) and the target's options, the rest of
@@ -732,23 +751,23 @@ func (p *ruleParser) targetOption(name, opt string) error {
 	return fmt.Errorf("-j %s %s", name, opt)
 }
 
-// setXMark reads --set-xmark VALUE/MASK, the form iptables-save prints every
-// MARK operation in (mark = mark&^MASK ^ VALUE): as the operation it is,
-// --or-mark (VALUE == MASK), --xor-mark (MASK 0) or --and-mark (VALUE 0).
+// setXMark reads MARK's --set-xmark value[/mask] (mark = mark&^mask ^ value),
+// which is how iptables-save prints --or-mark (value/value), --xor-mark
+// (value/0) and --and-mark (0/^value): as that operation. Any other is not
+// kpipe's rule language.
 func (t *Target) setXMark(v string) error {
 	value, mask, err := parseMark(v)
-	if err != nil {
-		return fmt.Errorf("-j MARK --set-xmark: %w", err)
-	}
 	switch {
-	case value == mask:
+	case err != nil:
+		return err
+	case mask == value:
 		t.MarkOp, t.Mark = MarkOr, value
 	case mask == 0:
 		t.MarkOp, t.Mark = MarkXor, value
 	case value == 0:
 		t.MarkOp, t.Mark = MarkAnd, ^mask
 	default:
-		return fmt.Errorf("-j MARK --set-xmark %s, which is no --or-mark, --xor-mark or --and-mark", v)
+		return fmt.Errorf("-j MARK --set-xmark %s: not an or, xor or and", v)
 	}
 	return nil
 }

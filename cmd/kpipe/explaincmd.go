@@ -176,13 +176,13 @@ func parseDestination(v string) (netip.AddrPort, error) {
 const readTimeout = 30 * time.Second
 
 // readRules reads family's nat and filter tables: from --rules, or the node's.
-func (fl explainFlags) readRules(ctx context.Context, family bus.Family) (*tracer.Ruleset, error) {
+func (fl explainFlags) readRules(ctx context.Context, family bus.Family) (*nf.Ruleset, error) {
 	if fl.rules != "" {
 		text, err := os.ReadFile(fl.rules)
 		if err != nil {
 			return nil, fmt.Errorf("read --rules: %w", err)
 		}
-		rs, err := tracer.ParseSave(text, family)
+		rs, err := nf.ParseRulesetOf(text, family)
 		if err != nil {
 			return nil, fmt.Errorf("--rules %s: %w", fl.rules, err)
 		}
@@ -199,5 +199,5 @@ func (fl explainFlags) readRules(ctx context.Context, family bus.Family) (*trace
 		}
 		text = append(text, b...)
 	}
-	return tracer.ParseSave(text, family)
+	return nf.ParseRulesetOf(text, family)
 }

@@ -152,7 +152,7 @@ func (e explanation) text() string {
 		}
 	}
 	if len(unevaluated) > 0 {
-		b.WriteString("\nnot evaluated: rules of other agents, taken as not matching:\n")
+		b.WriteString("\nnot evaluated: rules explain cannot read (other agents' matches and targets), taken as not matching:\n")
 		for _, u := range unevaluated {
 			fmt.Fprintf(&b, "  %s\n", u)
 		}

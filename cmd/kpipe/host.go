@@ -96,8 +96,20 @@ type hostFacts struct {
 	nfacct render.NFAcctObjects
 }
 
-// prepareHost learns what render must know about the host.
-func prepareHost(log *slog.Logger) hostFacts {
+// prepareHost learns what render must know about the host, creating
+// kube-proxy's nfacct objects where missing.
+func prepareHost(log *slog.Logger) hostFacts { return readHost(ensureNFAcct(nf.NFAcct{}, log), log) }
+
+// observeHost is prepareHost without writing anything: `kpipe render` renders
+// with the nfacct objects the node has.
+func observeHost(log *slog.Logger) hostFacts {
+	exists := func(name string) bool { _, err := nf.NFAcct{}.Packets(name); return err == nil }
+	return readHost(render.NFAcctObjects{InvalidDropped: exists(nf.NFAcctInvalidDropped),
+		LocalhostNodePorts: exists(nf.NFAcctLocalhostNodePorts)}, log)
+}
+
+// readHost reads the host's facts, given which nfacct objects exist.
+func readHost(nfacct render.NFAcctObjects, log *slog.Logger) hostFacts {
 	// route_localnet is set by commit, once the rule that guards 127.0.0.0/8 is in.
 	v, err := nf.ReadSysctl("net/netfilter/nf_conntrack_tcp_be_liberal")
 	facts := hostFacts{conntrackLiberal: err == nil && v != "0", noRandomFully: map[bus.Family]bool{}}
@@ -107,7 +119,7 @@ func prepareHost(log *slog.Logger) hostFacts {
 			log.Info("MASQUERADE without --random-fully: this iptables does not support it", "family", f)
 		}
 	}
-	facts.nfacct = ensureNFAcct(nf.NFAcct{}, log)
+	facts.nfacct = nfacct
 	return facts
 }
 

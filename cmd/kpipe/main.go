@@ -78,6 +78,10 @@ func runWith(args []string, serve func(context.Context, *Options) error) int {
 	cmd.AddCommand(operatorCommands()...)
 	cmd.SetArgs(args)
 	if err := cmd.ExecuteContext(context.Background()); err != nil {
+		var code exitCode
+		if errors.As(err, &code) {
+			return int(code)
+		}
 		if !errors.As(err, new(loggedError)) {
 			fmt.Fprintln(os.Stderr, "kpipe:", err)
 		}
@@ -85,3 +89,10 @@ func runWith(args []string, serve func(context.Context, *Options) error) int {
 	}
 	return 0
 }
+
+// exitCode ends a command with that exit code, printing nothing: an outcome
+// that is no error but that a script must tell apart (render --diff's
+// differences). Errors are exit code 1.
+type exitCode int
+
+func (c exitCode) Error() string { return fmt.Sprintf("exit status %d", int(c)) }

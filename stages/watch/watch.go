@@ -29,9 +29,9 @@ import (
 	"github.com/kpipe/kpipe/supervise"
 )
 
-// selector is kube-proxy's: services handled by another proxy, and headless
+// Selector is kube-proxy's: services handled by another proxy, and headless
 // services' slices, are not ours.
-const selector = "!service.kubernetes.io/service-proxy-name,!service.kubernetes.io/headless"
+const Selector = "!service.kubernetes.io/service-proxy-name,!service.kubernetes.io/headless"
 
 // Stage runs the informers and queues every change, and a full replay when
 // coalesce asks for one, on out. Queuing never blocks (out keeps the latest
@@ -259,7 +259,7 @@ func (s *Stage) waitForCaches(ctx context.Context, back <-chan struct{}, inf inf
 // selectors), each list and watch made through lost.
 func (s *Stage) informers(lost *lostServer) informerSet {
 	services, slices, nodes := s.client.CoreV1().Services(""), s.client.DiscoveryV1().EndpointSlices(""), s.client.CoreV1().Nodes()
-	proxied := func(o *metav1.ListOptions) { o.LabelSelector = selector }
+	proxied := func(o *metav1.ListOptions) { o.LabelSelector = Selector }
 	thisNode := func(o *metav1.ListOptions) { o.FieldSelector = "metadata.name=" + s.conv.NodeName }
 	return informerSet{
 		services: informer(&corev1.Service{}, proxied, lost, s.conv.convertForStore, services.List, services.Watch),

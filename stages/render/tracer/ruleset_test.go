@@ -9,6 +9,7 @@ import (
 	"testing"
 
 	"github.com/kpipe/kpipe/bus"
+	nf "github.com/kpipe/kpipe/netfilter"
 )
 
 // sharedNode is what iptables-save prints on a node shared with Docker: its
@@ -16,13 +17,13 @@ import (
 // kube-proxy's, one ClusterIP service default/web with two endpoints.
 const sharedNode = "testdata/shared-node.rules"
 
-func parseNode(t *testing.T, path string) *Ruleset {
+func parseNode(t *testing.T, path string) *nf.Ruleset {
 	t.Helper()
 	text, err := os.ReadFile(path)
 	if err != nil {
 		t.Fatal(err)
 	}
-	rs, err := ParseSave(text, bus.IPv4)
+	rs, err := nf.ParseRulesetOf(text, bus.IPv4)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -83,28 +84,16 @@ func TestTraceRulesetMasqueradeAndPolicy(t *testing.T) {
 	}
 }
 
-func TestParseSaveRefusesWhatIsNotIptablesSave(t *testing.T) {
-	for name, text := range map[string]string{
-		"no COMMIT":          "*nat\n:PREROUTING ACCEPT [0:0]\n",
-		"rule outside":       "-A PREROUTING -j ACCEPT\n",
-		"undeclared chain":   "*nat\n-A KUBE-X -j RETURN\nCOMMIT\n",
-		"no filter table":    "*nat\n:PREROUTING ACCEPT [0:0]\nCOMMIT\n",
-		"not iptables-save":  "hello world\n",
-		"other family only":  "# kpipe render IPv6\n*nat\nCOMMIT\n*filter\nCOMMIT\n",
-		"table inside table": "*nat\n*filter\nCOMMIT\n",
-	} {
-		if _, err := ParseSave([]byte(text), bus.IPv4); err == nil {
-			t.Errorf("%s: parsed", name)
-		}
-	}
-	sections := "# kpipe render IPv4\n*nat\nCOMMIT\n*filter\n:FORWARD DROP [0:0]\nCOMMIT\n# kpipe render IPv6\n*nat\nCOMMIT\n*filter\nCOMMIT\n"
-	for _, f := range []bus.Family{bus.IPv4, bus.IPv6} {
-		rs, err := ParseSave([]byte(sections), f)
+// A ruleset without the nat or filter table cannot be traced: an error,
+// never an empty trace.
+func TestTraceRulesetNeedsNATAndFilter(t *testing.T) {
+	for _, text := range []string{"*nat\n:PREROUTING ACCEPT [0:0]\nCOMMIT\n", "*filter\n:INPUT ACCEPT [0:0]\nCOMMIT\n"} {
+		rs, err := nf.ParseRulesetOf([]byte(text), bus.IPv4)
 		if err != nil {
-			t.Fatalf("%v: %v", f, err)
+			t.Fatal(err)
 		}
-		if got, want := rs.Tables["filter"].Policy["FORWARD"], map[bus.Family]string{bus.IPv4: "DROP"}[f]; got != want {
-			t.Errorf("%v: FORWARD policy %q, want %q", f, got, want)
+		if res := TraceRuleset(rs, nodeIPs, tcp(podSrc, vip, 80)); res.Err == nil {
+			t.Errorf("traced %q: %s", text, res)
 		}
 	}
 }

@@ -136,7 +136,7 @@ func Trace(plan *bus.Plan, nodeIPs []netip.Addr, localAddrs []netip.Addr, p Pack
 // type LOCAL besides loopback. A rule the tracer cannot evaluate (another
 // agent's match or target) is taken as not matching, and each path lists the
 // ones it passed in Unevaluated: a trace that needed them says so.
-func TraceRuleset(rs *Ruleset, local []netip.Addr, p Packet) Result {
+func TraceRuleset(rs *nf.Ruleset, local []netip.Addr, p Packet) Result {
 	t, err := rulesetTracer(rs, local)
 	return t.trace(err, p)
 }
@@ -228,27 +228,35 @@ func newTracer(plan *bus.Plan, local []netip.Addr) (*tracer, error) {
 
 // rulesetTracer reads a node's rules: every rule it cannot evaluate is kept,
 // opaque, where it stands.
-func rulesetTracer(rs *Ruleset, local []netip.Addr) (*tracer, error) {
+func rulesetTracer(rs *nf.Ruleset, local []netip.Addr) (*tracer, error) {
+	if rs == nil {
+		return nil, fmt.Errorf("no rules")
+	}
 	t := &tracer{family: rs.Family, local: local, chains: map[string]map[string][]*rule{}, policy: map[string]map[string]string{}}
-	for table, names := range builtinChains {
-		tb := rs.Tables[table]
+	for table, builtins := range builtinChains {
+		tb := rs.Table(table)
 		if tb == nil {
 			return nil, fmt.Errorf("no %s table", table)
 		}
-		chains := map[string][]*rule{}
-		for name, lines := range tb.Chains {
-			chains[name] = make([]*rule, 0, len(lines))
-			for _, line := range lines {
-				chains[name] = append(chains[name], parseOrOpaque(name, line, tb.Chains))
-			}
+		declared := map[string][]string{}
+		for _, c := range tb.Chains {
+			declared[c.Name] = c.Rules
 		}
-		for _, name := range names {
+		chains := map[string][]*rule{}
+		t.policy[table] = map[string]string{}
+		for _, c := range tb.Chains {
+			chains[c.Name] = make([]*rule, 0, len(c.Rules))
+			for _, line := range c.Rules {
+				chains[c.Name] = append(chains[c.Name], parseOrOpaque(c.Name, line, declared))
+			}
+			t.policy[table][c.Name] = c.Policy
+		}
+		for _, name := range builtins {
 			if chains[name] == nil {
 				chains[name] = []*rule{}
 			}
 		}
 		t.chains[table] = chains
-		t.policy[table] = tb.Policy
 	}
 	return t, nil
 }
