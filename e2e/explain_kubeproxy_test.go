@@ -45,8 +45,8 @@ func TestExplainKubeProxyRules(t *testing.T) {
 	eventuallyRefused(t, "kube-proxy: ClusterIP without endpoints", tcp1, pod.NS, testbed.ClusterAddr(empty, 80))
 	eventuallyRefused(t, "kube-proxy: NodePort without endpoints", tcp1, client, testbed.HostPort(testbed.NodeIPv4, testbed.NodePortOf(empty, "tcp")))
 
-	if n := explained.Load() - before; n != 9 {
-		t.Fatalf("%d request series put to kpipe explain; want 9", n)
+	if n := explained.Load() - before; n != 8 {
+		t.Fatalf("%d request series put to kpipe explain; want 8", n)
 	}
 	// What the operator reads names the Service and why it refuses.
 	out, err := tb.Exec(tb.NodeNS, tb.Kpipe().Bin, "explain", "--from", "pod", "--src", pod.IPv4, "--dst", testbed.ClusterAddr(empty, 80))

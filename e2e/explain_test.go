@@ -17,7 +17,9 @@ import (
 // Every request the feature tests assert (expectExactly and the negative
 // helpers) is also put to `kpipe explain`, run in the node on its live rules:
 // what explain predicts must be what the packets did. explained and
-// unexplained count them for the run's summary.
+// unexplained count them for the run's summary; on a node that kube-proxy's
+// nftables mode serves, explain must refuse (it reads iptables rules only),
+// and those are unexplained.
 var explained, unexplained atomic.Int64
 
 // explainedAs is the part of `kpipe explain --json` these checks read.
@@ -61,6 +63,14 @@ func explainAgrees(t *testing.T, what string, d dialer, ns, addr string, obs obs
 		return
 	}
 	out, err := tb.Exec(tb.NodeNS, append([]string{tb.Kpipe().Bin, "explain", "--json"}, args...)...)
+	if _, nftMode := tb.Exec(tb.NodeNS, "nft", "list", "table", familyOf(addr), "kube-proxy"); nftMode == nil {
+		// kube-proxy's nftables mode serves the node: explain must refuse.
+		if err == nil {
+			t.Fatalf("%s: kpipe explain %s answered on a node served by kube-proxy's nftables mode:\n%s", what, strings.Join(args, " "), out)
+		}
+		unexplained.Add(1)
+		return
+	}
 	if err != nil {
 		t.Fatalf("%s: kpipe explain %s: %v", what, strings.Join(args, " "), err)
 	}
@@ -117,6 +127,14 @@ func explainArgs(d dialer, ns, addr string) (args []string, src netip.Addr, ok b
 		src = netip.MustParseAddr(source)
 	}
 	return args, src, true
+}
+
+// familyOf is nft's name for the family of addr's IP: "ip" or "ip6".
+func familyOf(addr string) string {
+	if netip.MustParseAddrPort(addr).Addr().Unmap().Is6() {
+		return "ip6"
+	}
+	return "ip"
 }
 
 func cmpOr(a, b string) string {

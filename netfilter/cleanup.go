@@ -13,6 +13,8 @@ import (
 	"time"
 
 	"github.com/vishvananda/netlink"
+
+	"github.com/kpipe/kpipe/bus"
 )
 
 // The chains of kube-proxy's ipvs mode that its iptables mode has not
@@ -149,6 +151,20 @@ func DeleteNFTablesKubeProxy(ctx context.Context) error {
 		}
 	}
 	return errors.Join(errs...)
+}
+
+// NFTablesKubeProxyPresent says whether family has the nf_tables table
+// kube-proxy's nftables mode programs Services in ("ip kube-proxy" or "ip6
+// kube-proxy"); false without nft, which that mode cannot run without.
+func NFTablesKubeProxyPresent(ctx context.Context, family bus.Family) bool {
+	if _, err := exec.LookPath(nftBinary); err != nil {
+		return false
+	}
+	ctx, cancel := context.WithTimeout(ctx, nftWait)
+	defer cancel()
+	nftFamily := map[bus.Family]string{bus.IPv4: "ip", bus.IPv6: "ip6"}[family]
+	_, err := runNFT(ctx, "list", "table", nftFamily, "kube-proxy")
+	return err == nil
 }
 
 func runNFT(ctx context.Context, args ...string) ([]byte, error) {

@@ -190,6 +190,9 @@ func (fl explainFlags) readRules(ctx context.Context, family bus.Family) (*nf.Ru
 	}
 	ctx, cancel := context.WithTimeout(ctx, readTimeout)
 	defer cancel()
+	if nf.NFTablesKubeProxyPresent(ctx, family) { // an answer from the iptables rules alone would be wrong
+		return nil, fmt.Errorf("this node's %s Services are programmed in the nf_tables table kube-proxy (kube-proxy's nftables mode), which explain does not read: it reads iptables rules, kpipe's or kube-proxy's iptables mode's", family)
+	}
 	tool := nf.Tool{Family: family}
 	var text []byte
 	for _, table := range []string{nf.TableNAT, nf.TableFilter} {

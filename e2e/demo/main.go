@@ -145,20 +145,46 @@ func show(ctx context.Context, tb *testbed.Testbed) (int, error) {
 	return explainOne(tb, k, svcs[0])
 }
 
-// explainOne asks kpipe explain, on the node's live rules, where pod 3's
-// request to the TCP service goes; it must name both endpoints that answered.
+// explainOne asks the node about pod 3's request to the TCP service, as an
+// operator would: kpipe status, kpipe render --diff (nothing: the node holds
+// what kpipe would write), and last kpipe explain, which must name both
+// endpoints that answered.
 func explainOne(tb *testbed.Testbed, k *testbed.Kpipe, svc *corev1.Service) (int, error) {
-	args := []string{"explain", "--from", "pod", "--src", tb.Pod(3).IPv4, "--dst", testbed.ClusterAddr(svc, 80)}
-	fmt.Printf("\nwhy: kpipe %s   (in %s)\n\n", strings.Join(args, " "), tb.NodeNS)
-	out, err := tb.Exec(tb.NodeNS, append([]string{k.Bin}, args...)...)
+	status, err := ask(tb, k, "status")
 	if err != nil {
 		return 1, err
 	}
-	fmt.Print(out)
+	if !strings.Contains(status, "healthy") {
+		return 1, fmt.Errorf("kpipe status does not say the node is healthy")
+	}
+	diff, err := ask(tb, k, append([]string{"render", "--diff"}, k.Args...)...)
+	if err != nil {
+		return 1, err
+	}
+	if diff != "" {
+		return 1, fmt.Errorf("kpipe render --diff found differences on a synced node")
+	}
+	fmt.Println("  (nothing: the node holds exactly what kpipe would write; exit code 0)")
+	out, err := ask(tb, k, "explain", "--from", "pod", "--src", tb.Pod(3).IPv4, "--dst", testbed.ClusterAddr(svc, 80))
+	if err != nil {
+		return 1, err
+	}
 	for _, pod := range []int{1, 2} {
 		if ep := tb.Pod(pod).Addr4(testbed.EchoPort); !strings.Contains(out, ep) {
 			return 1, fmt.Errorf("kpipe explain does not name endpoint %s", ep)
 		}
 	}
 	return 0, nil
+}
+
+// ask runs kpipe args in the node and prints the command and its output.
+func ask(tb *testbed.Testbed, k *testbed.Kpipe, args ...string) (string, error) {
+	shown := args
+	if args[0] == "render" {
+		shown = append(args[:2:2], "<the daemon's flags>")
+	}
+	fmt.Printf("\n$ kpipe %s   (in %s)\n", strings.Join(shown, " "), tb.NodeNS)
+	out, err := tb.Exec(tb.NodeNS, append([]string{k.Bin}, args...)...)
+	fmt.Print(out)
+	return out, err
 }
