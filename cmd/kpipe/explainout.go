@@ -134,16 +134,22 @@ func (e explanation) text() string {
 	for _, ep := range e.Endpoints {
 		fmt.Fprintf(&b, "          %-24s %5.1f%%  %s\n", ep.Endpoint, 100*ep.Probability, masqText(ep.Masqueraded))
 	}
+	width := 0 // of the widest "table/chain", so the rules line up
+	for _, path := range e.Paths {
+		for _, s := range path.Steps {
+			width = max(width, len(s.Table)+1+len(s.Chain))
+		}
+	}
 	var unevaluated []string
 	for i, path := range e.Paths {
 		fmt.Fprintf(&b, "\npath %d of %d (%.1f%%): %s\n", i+1, len(e.Paths), 100*path.Probability, path.summary())
 		for _, s := range path.Steps {
 			where := s.Table + "/" + s.Chain
 			if s.Rule == "" {
-				fmt.Fprintf(&b, "  %-28s (%s)\n", where, s.Comment)
+				fmt.Fprintf(&b, "  %-*s (%s)\n", width, where, s.Comment)
 				continue
 			}
-			fmt.Fprintf(&b, "  %-28s %s\n", where, strings.TrimPrefix(s.Rule, "-A "+s.Chain+" "))
+			fmt.Fprintf(&b, "  %-*s %s\n", width, where, strings.TrimPrefix(s.Rule, "-A "+s.Chain+" "))
 		}
 		for _, u := range path.Unevaluated {
 			if !slices.Contains(unevaluated, u) {
