@@ -3,6 +3,7 @@ package netfilter
 import (
 	"bufio"
 	"bytes"
+	"context"
 	"fmt"
 	"io"
 	"strings"
@@ -117,6 +118,20 @@ func ParseRulesetOf(text []byte, family bus.Family) (*Ruleset, error) {
 		}
 	}
 	return nil, fmt.Errorf("no %s section (%q)", family, rulesetHeader+family.String())
+}
+
+// SavedRuleset reads the node's nat and filter tables of t's family with
+// iptables-save.
+func (t Tool) SavedRuleset(ctx context.Context) (*Ruleset, error) {
+	var text []byte
+	for _, table := range []string{TableNAT, TableFilter} {
+		saved, err := t.SaveText(ctx, table)
+		if err != nil {
+			return nil, fmt.Errorf("read the node's %s %s rules: %w", t.Family, table, err)
+		}
+		text = append(text, saved...)
+	}
+	return ParseRulesetOf(text, t.Family)
 }
 
 // rulesetParser is ParseRulesets' state between lines.

@@ -193,14 +193,5 @@ func (fl explainFlags) readRules(ctx context.Context, family bus.Family) (*nf.Ru
 	if nf.NFTablesKubeProxyPresent(ctx, family) { // an answer from the iptables rules alone would be wrong
 		return nil, fmt.Errorf("this node's %s Services are programmed in the nf_tables table kube-proxy (kube-proxy's nftables mode), which explain does not read: it reads iptables rules, kpipe's or kube-proxy's iptables mode's", family)
 	}
-	tool := nf.Tool{Family: family}
-	var text []byte
-	for _, table := range []string{nf.TableNAT, nf.TableFilter} {
-		b, err := tool.SaveText(ctx, table)
-		if err != nil {
-			return nil, fmt.Errorf("read this node's %s %s rules: %w", family, table, err)
-		}
-		text = append(text, b...)
-	}
-	return nf.ParseRulesetOf(text, family)
+	return nf.Tool{Family: family}.SavedRuleset(ctx)
 }

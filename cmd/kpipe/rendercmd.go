@@ -1,7 +1,6 @@
 package main
 
 import (
-	"bytes"
 	"context"
 	"errors"
 	"fmt"
@@ -154,11 +153,11 @@ func renderRulesets(opts *Options, state *bus.State) []nf.Ruleset {
 func diffWithNode(ctx context.Context, out io.Writer, sets []nf.Ruleset) error {
 	differ := false
 	for _, rs := range sets {
-		live, err := liveRuleset(ctx, rs.Family)
+		live, err := nf.Tool{Family: rs.Family}.SavedRuleset(ctx)
 		if err != nil {
 			return err
 		}
-		diffs := diffRuleset(live, rs)
+		diffs := diffRuleset(*live, rs)
 		if err := writeDiff(out, rs.Family.String(), diffs); err != nil {
 			return err
 		}
@@ -168,24 +167,4 @@ func diffWithNode(ctx context.Context, out io.Writer, sets []nf.Ruleset) error {
 		return exitCode(diffExitCode)
 	}
 	return nil
-}
-
-// liveRuleset is the node's nat and filter tables of family f, read with
-// iptables-save.
-func liveRuleset(ctx context.Context, f bus.Family) (nf.Ruleset, error) {
-	tool := nf.Tool{Family: f}
-	var text bytes.Buffer
-	for _, table := range []string{nf.TableNAT, nf.TableFilter} {
-		saved, err := tool.SaveText(ctx, table)
-		if err != nil {
-			return nf.Ruleset{}, fmt.Errorf("read the node's %s rules: %w", f, err)
-		}
-		text.Write(saved)
-	}
-	sets, err := nf.ParseRulesets(text.Bytes())
-	if err != nil || len(sets) == 0 {
-		return nf.Ruleset{Family: f}, err
-	}
-	sets[0].Family = f
-	return sets[0], nil
 }
