@@ -14,7 +14,8 @@ import (
 // kube-proxy, each request series below is put to explain, as every feature
 // test's is (explainAgrees), and its prediction must be what the packets did
 // — a ClusterIP, a NodePort, externalTrafficPolicy Local with and without
-// local endpoints, and Services without endpoints.
+// local endpoints, and Services without endpoints. It names the Service behind
+// a refusal, and with --kubeconfig the policy behind a drop.
 func TestExplainKubeProxyRules(t *testing.T) {
 	e := setup(t)
 	kp := e.kubeProxy("iptables")
@@ -57,4 +58,15 @@ func TestExplainKubeProxyRules(t *testing.T) {
 		t.Fatalf("kpipe explain on kube-proxy's rules does not say %q:\n%s", want, out)
 	}
 	t.Logf("kpipe explain, on kube-proxy's rules:\n%s", out)
+
+	// With --kubeconfig it says what the apiserver holds of the Service
+	// behind the drop: the policy that made it.
+	out, err = tb.Exec(tb.NodeNS, tb.Kpipe().Bin, "explain", "--from", "outside", "--src", testbed.ClientIPv4, "--dst", np, "--kubeconfig", tb.Kubeconfig)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if want := e.ns + "/local: type NodePort, externalTrafficPolicy Local"; !strings.Contains(out, want) {
+		t.Fatalf("kpipe explain --kubeconfig does not say %q:\n%s", want, out)
+	}
+	t.Logf("kpipe explain --kubeconfig, on kube-proxy's rules:\n%s", out)
 }

@@ -22,6 +22,7 @@ import (
 // explainFlags are `kpipe explain`'s flags.
 type explainFlags struct {
 	src, dst, proto, from, iface, rules string
+	kubeconfig                          string
 	nodeIPs                             []string
 	json                                bool
 }
@@ -62,6 +63,7 @@ listed. Session affinity is traced as for a client seen for the first time.`,
 	f.StringVar(&fl.iface, "in-interface", "", "The interface the packet arrives on, from a pod or from outside (default: the interface of this node's route to --src).")
 	f.StringVar(&fl.rules, "rules", "", "Read the rules from this file (iptables-save's or `kpipe render`'s output) instead of the node's.")
 	f.StringSliceVar(&fl.nodeIPs, "node-ip", nil, "More addresses of this node (addrtype LOCAL), besides its interfaces' (with --rules off the node).")
+	f.StringVar(&fl.kubeconfig, "kubeconfig", "", "Ask the apiserver this kubeconfig reaches about the Services the rules name: their type, traffic policies and session affinity.")
 	f.BoolVar(&fl.json, "json", false, "Print the explanation as JSON.")
 	return cmd
 }
@@ -82,6 +84,11 @@ func explain(ctx context.Context, fl explainFlags, out interface{ Write([]byte) 
 		return res.Err
 	}
 	e := newExplanation(fl, pkt, note, res)
+	if fl.kubeconfig != "" {
+		if e.Objects, err = fl.lookUp(ctx, e.Services); err != nil {
+			return err
+		}
+	}
 	if fl.json {
 		enc := json.NewEncoder(out)
 		enc.SetIndent("", "  ")
@@ -89,6 +96,17 @@ func explain(ctx context.Context, fl explainFlags, out interface{ Write([]byte) 
 	}
 	_, err = out.Write([]byte(e.text()))
 	return err
+}
+
+// lookUp asks the apiserver --kubeconfig reaches about the Services ports name.
+func (fl explainFlags) lookUp(ctx context.Context, ports []string) ([]serviceFacts, error) {
+	opts := defaultOptions()
+	opts.Kubeconfig = fl.kubeconfig
+	client, err := newClient(opts)
+	if err != nil {
+		return nil, err
+	}
+	return lookUpServices(ctx, client, ports)
 }
 
 // packet reads the flags into the traced packet, the node's LOCAL addresses

@@ -4,11 +4,20 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"errors"
 	"math"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"testing"
+
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/runtime"
+	"k8s.io/client-go/kubernetes/fake"
+	k8stesting "k8s.io/client-go/testing"
+	"k8s.io/utils/ptr"
 )
 
 // sharedNodeRules is iptables-save's output on a node shared with Docker, with
@@ -106,5 +115,42 @@ func TestExplainRefusesBadInput(t *testing.T) {
 	}
 	if code := runWith([]string{"explain", "--dst", "10.96.0.80:99999", "--src", "10.244.1.20"}, nil); code != 1 {
 		t.Errorf("exit code %d for a bad port; want 1", code)
+	}
+}
+
+// With --kubeconfig, explain says what the apiserver holds of each Service
+// the rules name: its policies, or that it is gone (the rules are stale).
+func TestExplainAsksTheApiserverAboutTheServices(t *testing.T) {
+	local := corev1.ServiceInternalTrafficPolicyLocal
+	web := &corev1.Service{ObjectMeta: metav1.ObjectMeta{Namespace: "default", Name: "web"}, Spec: corev1.ServiceSpec{
+		Type: corev1.ServiceTypeNodePort, ExternalTrafficPolicy: corev1.ServiceExternalTrafficPolicyLocal, InternalTrafficPolicy: &local,
+		SessionAffinity:       corev1.ServiceAffinityClientIP,
+		SessionAffinityConfig: &corev1.SessionAffinityConfig{ClientIP: &corev1.ClientIPConfig{TimeoutSeconds: ptr.To[int32](60)}}}}
+	client := fake.NewClientset(web)
+	facts, err := lookUpServices(context.Background(), client, []string{"default/web:http", "default/web:https", "default/gone:http"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var lines []string
+	for _, f := range facts {
+		lines = append(lines, f.String())
+	}
+	want := []string{
+		"default/web: type NodePort, externalTrafficPolicy Local, internalTrafficPolicy Local, sessionAffinity ClientIP (60 s)",
+		"default/gone: not in the apiserver (deleted? the node's rules for it are stale)",
+	}
+	if !slices.Equal(lines, want) {
+		t.Fatalf("got\n%s\nwant\n%s", strings.Join(lines, "\n"), strings.Join(want, "\n"))
+	}
+	client.PrependReactor("get", "services", func(k8stesting.Action) (bool, runtime.Object, error) {
+		return true, nil, errors.New("connection refused")
+	})
+	if _, err := lookUpServices(context.Background(), client, []string{"default/web:http"}); err == nil || !strings.Contains(err.Error(), "connection refused") {
+		t.Fatalf("an apiserver that does not answer: %v", err)
+	}
+	fl := fromAPod()
+	fl.kubeconfig = filepath.Join(t.TempDir(), "none")
+	if err := explain(context.Background(), fl, &bytes.Buffer{}); err == nil || strings.Contains(err.Error(), "\n") {
+		t.Fatalf("an unreadable kubeconfig: %v; want one line", err)
 	}
 }

@@ -17,7 +17,9 @@ type explanation struct {
 	Verdict string          `json:"verdict"` // ACCEPT, DROP, REJECT; "ACCEPT|DROP" when paths differ
 	// Services are the Services and ports the matched rules name (their
 	// comments' first word, "namespace/name:port").
-	Services  []string            `json:"services"`
+	Services []string `json:"services"`
+	// Objects are the apiserver's word on those Services (with --kubeconfig).
+	Objects   []serviceFacts      `json:"objects,omitempty"`
 	Endpoints []explainedEndpoint `json:"endpoints"`
 	Paths     []explainedPath     `json:"paths"`
 }
@@ -127,6 +129,9 @@ func (e explanation) text() string {
 	}
 	if len(e.Services) > 0 {
 		fmt.Fprintf(&b, "service:  %s\n", strings.Join(e.Services, ", "))
+		for _, o := range e.Objects {
+			fmt.Fprintf(&b, "          %s\n", o)
+		}
 	} else {
 		b.WriteString("service:  none: no Service rule matched this packet\n")
 	}
