@@ -18,6 +18,8 @@ import (
 	"k8s.io/client-go/kubernetes/fake"
 	k8stesting "k8s.io/client-go/testing"
 	"k8s.io/utils/ptr"
+
+	"github.com/kpipe/kpipe/stages/render/tracer"
 )
 
 // sharedNodeRules is iptables-save's output on a node shared with Docker, with
@@ -74,6 +76,10 @@ func TestExplainJSON(t *testing.T) {
 		if math.Abs(ep.Probability-0.5) > 1e-9 || ep.Masqueraded != "yes" {
 			t.Errorf("endpoint %+v; want probability 0.5, masqueraded (from outside the pod range)", ep)
 		}
+	}
+	marked := slices.ContainsFunc(e.Paths[0].Steps, func(s tracer.Step) bool { return s.Chain == "KUBE-MARK-MASQ" && s.Mark == "0x4000" })
+	if !marked {
+		t.Errorf("no step of path 1 says KUBE-MARK-MASQ set the mark 0x4000: %+v", e.Paths[0].Steps)
 	}
 }
 
@@ -152,5 +158,30 @@ func TestExplainAsksTheApiserverAboutTheServices(t *testing.T) {
 	fl.kubeconfig = filepath.Join(t.TempDir(), "none")
 	if err := explain(context.Background(), fl, &bytes.Buffer{}); err == nil || strings.Contains(err.Error(), "\n") {
 		t.Fatalf("an unreadable kubeconfig: %v; want one line", err)
+	}
+}
+
+// "What if": kpipe render --manifests writes the rules for a directory of
+// objects, and kpipe explain --rules follows a packet through them.
+func TestExplainWhatRenderWrote(t *testing.T) {
+	code, out, stderr := runRenderCaptured(t, append([]string{"--manifests", "testdata/render"}, renderArgs...)...)
+	if code != 0 {
+		t.Fatalf("render: exit %d; stderr %q", code, stderr)
+	}
+	rules := filepath.Join(t.TempDir(), "what-if.rules")
+	if err := os.WriteFile(rules, []byte(out), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	fl := explainFlags{rules: rules, src: "10.244.0.50", dst: "10.96.0.10:80", proto: "tcp", from: fromPod, iface: "veth9", json: true}
+	var b bytes.Buffer
+	if err := explain(context.Background(), fl, &b); err != nil {
+		t.Fatal(err)
+	}
+	var e explanation
+	if err := json.Unmarshal(b.Bytes(), &e); err != nil {
+		t.Fatal(err)
+	}
+	if len(e.Endpoints) != 1 || e.Endpoints[0].Endpoint != "10.244.0.10:8080" || !slices.Equal(e.Services, []string{"default/web:http"}) {
+		t.Fatalf("explained %+v; want default/web:http DNATed to 10.244.0.10:8080", e)
 	}
 }

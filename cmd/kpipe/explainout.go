@@ -154,7 +154,11 @@ func (e explanation) text() string {
 				fmt.Fprintf(&b, "  %-*s (%s)\n", width, where, s.Comment)
 				continue
 			}
-			fmt.Fprintf(&b, "  %-*s %s\n", width, where, strings.TrimPrefix(s.Rule, "-A "+s.Chain+" "))
+			rule := strings.TrimPrefix(s.Rule, "-A "+s.Chain+" ")
+			if s.Mark != "" {
+				rule += "   (mark now " + s.Mark + ")"
+			}
+			fmt.Fprintf(&b, "  %-*s %s\n", width, where, rule)
 		}
 		for _, u := range path.Unevaluated {
 			if !slices.Contains(unevaluated, u) {

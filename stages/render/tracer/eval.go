@@ -176,6 +176,7 @@ func (t *tracer) apply(table string, r *rule, f *flow, depth int) []*flow {
 		} else {
 			f.mark ^= r.Target.Mark
 		}
+		f.steps[len(f.steps)-1].Mark = fmt.Sprintf("%#x", f.mark) // f's own copy (with)
 		return []*flow{f}
 	}
 	return t.runChain(table, r.Target.Chain, f, depth+1)

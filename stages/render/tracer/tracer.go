@@ -81,11 +81,16 @@ type Path struct {
 // Step is one entry of a path: a rule that matched, or the packet entering a
 // built-in chain or meeting its policy (Rule empty, Comment says which).
 type Step struct {
-	Table, Chain string
-	Rule         string
+	Table string `json:"table"`
+	Chain string `json:"chain"`
+	Rule  string `json:"rule,omitempty"`
 	// Comment is the rule's -m comment (kpipe's and kube-proxy's name the
-	// Service and port behind the rule).
-	Comment string
+	// Service and port behind the rule); for a step with no rule, what
+	// happened ("entered", "policy DROP").
+	Comment string `json:"comment,omitempty"`
+	// Mark is the packet's mark after a -j MARK rule ("0x4000"), "" for any
+	// other step.
+	Mark string `json:"mark,omitempty"`
 }
 
 func (s Step) String() string {
