@@ -12,6 +12,7 @@ import (
 	"os"
 	"os/signal"
 	"runtime/debug"
+	"strings"
 	"syscall"
 
 	"github.com/spf13/cobra"
@@ -83,7 +84,8 @@ func runWith(args []string, serve func(context.Context, *Options) error) int {
 			return int(code)
 		}
 		if !errors.As(err, new(loggedError)) {
-			fmt.Fprintln(os.Stderr, "kpipe:", err)
+			// One line: a tool's stderr inside the error may have several.
+			fmt.Fprintln(os.Stderr, "kpipe:", strings.ReplaceAll(strings.TrimSpace(err.Error()), "\n", "; "))
 		}
 		return 1
 	}

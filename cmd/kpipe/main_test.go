@@ -1,6 +1,8 @@
 package main
 
 import (
+	"context"
+	"errors"
 	"net/netip"
 	"runtime/debug"
 	"slices"
@@ -261,5 +263,17 @@ func TestGCTargetUnlessGOGCIsSet(t *testing.T) {
 	}
 	if gcPercent >= theirs {
 		t.Fatalf("gcPercent %d is not below Go's default", gcPercent)
+	}
+}
+
+// An error is one line on stderr, even when it carries a tool's stderr of
+// several lines.
+func TestRunPrintsAnErrorOnOneLine(t *testing.T) {
+	failing := func(context.Context, *Options) error {
+		return errors.New("read the node's IPv4 nat rules: iptables-save: exit status 1:\nline one\nline two\n")
+	}
+	code, stderr := captureStderr(t, func() int { return runWith(nil, failing) })
+	if want := "kpipe: read the node's IPv4 nat rules: iptables-save: exit status 1:; line one; line two\n"; code != 1 || stderr != want {
+		t.Fatalf("exit %d, stderr %q; want 1, %q", code, stderr, want)
 	}
 }

@@ -1,6 +1,7 @@
 package render
 
 import (
+	"bytes"
 	"fmt"
 	"maps"
 	"net/netip"
@@ -10,6 +11,7 @@ import (
 	"github.com/kpipe/kpipe/bus"
 	nf "github.com/kpipe/kpipe/netfilter"
 	"github.com/kpipe/kpipe/stages/render/rendertest"
+	"github.com/kpipe/kpipe/stages/render/tracer"
 )
 
 // BenchmarkRenderFull renders every chain of a cluster of 1k and 10k services, their
@@ -92,4 +94,42 @@ func liveHeap() uint64 {
 	var m runtime.MemStats
 	runtime.ReadMemStats(&m)
 	return m.HeapAlloc
+}
+
+// BenchmarkExplainRuleset is kpipe explain's work after iptables-save has
+// printed a node's rules (1k and 10k services × 10 endpoints, kpipe's layout):
+// read the document, then follow one packet from a pod to a ClusterIP.
+func BenchmarkExplainRuleset(b *testing.B) {
+	for _, n := range []int{1000, 10000} {
+		b.Run(fmt.Sprintf("services=%d/endpoints=10", n), func(b *testing.B) {
+			st := rendertest.SyntheticState(n, 10)
+			plan := Render(baseConfig(), full(st))
+			var doc bytes.Buffer
+			if err := nf.WriteRulesets(&doc, []nf.Ruleset{nf.PlanRuleset(plan, nf.FreshBuiltins(nf.Jumps(true)))}); err != nil {
+				b.Fatal(err)
+			}
+			s := st.Services[keyOf(st.Services)]
+			pkt := tracer.Packet{Source: ip("10.244.1.20"), Dest: s.ClusterIPs[0], Proto: "tcp", DPort: int(s.Ports[0].Port),
+				From: tracer.FromPrerouting, InInterface: "veth1"}
+			b.ReportMetric(float64(doc.Len())/(1<<20), "MiB-of-rules")
+			for b.Loop() {
+				rs, err := nf.ParseRulesetOf(doc.Bytes(), bus.IPv4)
+				if err != nil {
+					b.Fatal(err)
+				}
+				if res := tracer.TraceRuleset(rs, nil, pkt); res.Err != nil || len(res.Endpoints) == 0 {
+					b.Fatalf("%s", res)
+				}
+			}
+		})
+	}
+}
+
+// keyOf is one of m's keys.
+func keyOf[K comparable, V any](m map[K]V) K {
+	for k := range m {
+		return k
+	}
+	var zero K
+	return zero
 }
