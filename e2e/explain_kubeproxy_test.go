@@ -19,6 +19,12 @@ import (
 func TestExplainKubeProxyRules(t *testing.T) {
 	e := setup(t)
 	kp := e.kubeProxy("iptables")
+	t.Cleanup(func() { // runs first: kpipe then starts as on a fresh node, without kube-proxy's KUBE-FIREWALL
+		if err := kp.Stop(); err != nil {
+			t.Errorf("stop kube-proxy: %v", err)
+		}
+		removeKubeFirewall(t)
+	})
 	e.toKubeProxy(kp)
 	pod, client := tb.Pod(clientPod), tb.ClientNS
 	before := explained.Load()
