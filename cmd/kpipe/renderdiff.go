@@ -34,15 +34,16 @@ func diffRuleset(live, rendered nf.Ruleset) []chainDiff {
 		if have == nil {
 			have = &nf.SavedTable{}
 		}
+		haveByName, wantByName := have.ByName(), want.ByName()
 		for _, c := range want.Chains {
 			if isBuiltin(c.Policy) {
-				add(want.Name, c.Name, missingJumps(have.Chain(c.Name), c.Rules))
+				add(want.Name, c.Name, missingJumps(haveByName[c.Name], c.Rules))
 			} else {
-				add(want.Name, c.Name, diffChain(have.Chain(c.Name), &c))
+				add(want.Name, c.Name, diffChain(haveByName[c.Name], &c))
 			}
 		}
 		for _, c := range have.Chains {
-			if want.Chain(c.Name) == nil && nf.KindOf(c.Name).Disposable() {
+			if wantByName[c.Name] == nil && nf.KindOf(c.Name).Disposable() {
 				add(want.Name, c.Name, diffChain(&c, nil))
 			}
 		}
