@@ -48,6 +48,7 @@ func TestExplainPrintsTheServiceEndpointsAndPaths(t *testing.T) {
 		"10.244.2.6:8080           50.0%  source kept",
 		"path 1 of 2 (50.0%): DNAT to 10.244.1.5:8080, source kept, ACCEPT (routed on)",
 		"nat/KUBE-SERVICES",
+		"path 2 of 2 (50.0%): DNAT to 10.244.2.6:8080, source kept, ACCEPT (routed on)\n  (the first 3 steps as path 1's)\n  nat/KUBE-SVC-WEB",
 		"not evaluated: rules explain cannot read (other agents' matches and targets), taken as not matching:",
 		"nat/PREROUTING: -A PREROUTING -j LOG",
 	} {

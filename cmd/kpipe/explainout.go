@@ -148,7 +148,18 @@ func (e explanation) text() string {
 	var unevaluated []string
 	for i, path := range e.Paths {
 		fmt.Fprintf(&b, "\npath %d of %d (%.1f%%): %s\n", i+1, len(e.Paths), 100*path.Probability, path.summary())
-		for _, s := range path.Steps {
+		steps := path.Steps
+		if i > 0 { // the steps every path shares with path 1 are said once
+			same := 0
+			for same < len(steps) && same < len(e.Paths[0].Steps) && steps[same] == e.Paths[0].Steps[same] {
+				same++
+			}
+			if same > 1 {
+				fmt.Fprintf(&b, "  (the first %d steps as path 1's)\n", same)
+				steps = steps[same:]
+			}
+		}
+		for _, s := range steps {
 			where := s.Table + "/" + s.Chain
 			if s.Rule == "" {
 				fmt.Fprintf(&b, "  %-*s (%s)\n", width, where, s.Comment)
