@@ -123,10 +123,7 @@ func (t Tool) deletesByHandle(ctx context.Context) error {
 // deleteRulesSection is one batch of DELRULE messages, each naming its rule by
 // table, chain and handle.
 func deleteRulesSection(proto uint8, table string, rules []RuleRef) nftSection {
-	const seq = 1 // the batch's begin; its messages follow
-	s := nftSection{table: table, firstSeq: seq + 1, msgs: nlBuf{b: make([]byte, 0, 64*len(rules)+64)}}
-	at := s.msgs.msg(nfnlMsgBatchBegin, syscall.NLM_F_REQUEST, seq, 0, nfnlSubsysNFTables)
-	s.msgs.done(at)
+	s := newNFTSection(table, 64*len(rules)+64)
 	for _, r := range rules {
 		s.add(nftMsgDelRule, 0, proto, nftWhat{"delete a rule of", r.Chain}, func(n *nlBuf) {
 			n.str(nftaRuleTable, table)

@@ -91,16 +91,21 @@ func verdict(code int32, chain string) expr {
 	return func(n *nlBuf) {
 		element(n, "immediate", func(n *nlBuf) {
 			n.u32(nftaImmediateDreg, nftRegVerdict)
-			d := n.begin(nftaImmediateData)
-			v := n.begin(nftaDataVerdict)
-			n.u32(nftaVerdictCode, uint32(code))
-			if chain != "" {
-				n.str(nftaVerdictName, chain)
-			}
-			n.end(v)
-			n.end(d)
+			verdictData(n, nftaImmediateData, code, chain)
 		})
 	}
+}
+
+// verdictData appends a verdict as data (an immediate's, a map element's).
+func verdictData(n *nlBuf, typ uint16, code int32, chain string) {
+	d := n.begin(typ)
+	v := n.begin(nftaDataVerdict)
+	n.u32(nftaVerdictCode, uint32(code))
+	if chain != "" {
+		n.str(nftaVerdictName, chain)
+	}
+	n.end(v)
+	n.end(d)
 }
 
 // xt is an x_tables match or target run by nft_compat ("match" or "target"),

@@ -23,6 +23,11 @@ const (
 	nftMsgNewGen   = 0x0f // NFT_MSG_NEWGEN
 	nftMsgGetGen   = 0x10 // NFT_MSG_GETGEN
 
+	nftMsgNewSet     = 9  // NFT_MSG_NEWSET
+	nftMsgDelSet     = 11 // NFT_MSG_DELSET
+	nftMsgNewSetElem = 12 // NFT_MSG_NEWSETELEM
+	nftMsgDelSetElem = 14 // NFT_MSG_DELSETELEM
+
 	nftaTableName  = 1 // NFTA_TABLE_NAME
 	nftaChainTable = 1 // NFTA_CHAIN_TABLE
 	nftaChainName  = 3 // NFTA_CHAIN_NAME
@@ -39,6 +44,39 @@ const (
 	nftaExprData = 2 // NFTA_EXPR_DATA
 
 	nftaGenID = 1 // NFTA_GEN_ID
+
+	nftaTableFlags    = 2 // NFTA_TABLE_FLAGS
+	nftaTableUserdata = 6 // NFTA_TABLE_USERDATA
+
+	nftaChainHook     = 4  // NFTA_CHAIN_HOOK
+	nftaChainType     = 7  // NFTA_CHAIN_TYPE
+	nftaChainUserdata = 12 // NFTA_CHAIN_USERDATA
+	nftaHookHooknum   = 1  // NFTA_HOOK_HOOKNUM
+	nftaHookPriority  = 2  // NFTA_HOOK_PRIORITY
+
+	nftaSetTable    = 1  // NFTA_SET_TABLE
+	nftaSetName     = 2  // NFTA_SET_NAME
+	nftaSetFlags    = 3  // NFTA_SET_FLAGS
+	nftaSetKeyType  = 4  // NFTA_SET_KEY_TYPE
+	nftaSetKeyLen   = 5  // NFTA_SET_KEY_LEN
+	nftaSetDataType = 6  // NFTA_SET_DATA_TYPE
+	nftaSetDataLen  = 7  // NFTA_SET_DATA_LEN
+	nftaSetID       = 10 // NFTA_SET_ID: the kernel requires one, unique in the transaction
+	nftaSetTimeout  = 11 // NFTA_SET_TIMEOUT, in milliseconds
+	nftaSetUserdata = 13 // NFTA_SET_USERDATA
+
+	nftSetMap     = 0x08 // NFT_SET_MAP
+	nftSetTimeout = 0x10 // NFT_SET_TIMEOUT
+	nftSetEval    = 0x20 // NFT_SET_EVAL: nft's "dynamic"
+
+	nftDataVerdictType = 0xffffff00 // NFT_DATA_VERDICT, a verdict map's data type
+
+	nftaSetElemListTable    = 1 // NFTA_SET_ELEM_LIST_TABLE
+	nftaSetElemListSet      = 2 // NFTA_SET_ELEM_LIST_SET
+	nftaSetElemListElements = 3 // NFTA_SET_ELEM_LIST_ELEMENTS
+	nftaSetElemKey          = 1 // NFTA_SET_ELEM_KEY
+	nftaSetElemData         = 2 // NFTA_SET_ELEM_DATA
+	nftaSetElemUserdata     = 6 // NFTA_SET_ELEM_USERDATA
 
 	nfgenmsgLen = 4 // struct nfgenmsg: family, version, res_id (big-endian)
 )
@@ -104,5 +142,16 @@ const (
 	verdictDrop   int32 = 0
 	verdictAccept int32 = 1
 	verdictJump   int32 = -3
+	verdictGoto   int32 = -4
 	verdictReturn int32 = -5
+)
+
+// libnftnl's userdata: the TLVs (type, length: one byte each) nft keeps in an
+// object's NFTA_*_USERDATA, from libnftnl's udata.h.
+const (
+	udataComment       = 0 // NFTNL_UDATA_TABLE_COMMENT, _CHAIN_COMMENT, _SET_ELEM_COMMENT
+	udataSetKeyOrder   = 0 // NFTNL_UDATA_SET_KEYBYTEORDER
+	udataSetDataOrder  = 1 // NFTNL_UDATA_SET_DATABYTEORDER
+	udataSetComment    = 7 // NFTNL_UDATA_SET_COMMENT
+	byteorderBigEndian = 2 // nft's BYTEORDER_BIG_ENDIAN; BYTEORDER_INVALID (0) for a concatenation
 )
