@@ -110,7 +110,7 @@ func (w *writer) writeFixedChains() {
 	if cidrs := bus.PrefixesOf(w.cfg.Family, w.cfg.ServiceCIDRs); len(cidrs) > 0 {
 		list := make([]string, len(cidrs))
 		for i, c := range cidrs {
-			list[i] = c.String()
+			list[i] = c.Masked().String()
 		}
 		w.commented(chainClusterIPsCheck, w.ip+" daddr { "+strings.Join(list, ",")+" } drop", "Drop traffic to unallocated ClusterIPs")
 	}

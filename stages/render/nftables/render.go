@@ -93,12 +93,12 @@ func (w *writer) localDetector() (isLocal, isNotLocal string) {
 	switch w.cfg.DetectLocal {
 	case render.DetectClusterCIDR, "":
 		if cidrs := bus.PrefixesOf(w.cfg.Family, w.cfg.ClusterCIDRs); len(cidrs) > 0 {
-			return w.ip + " saddr " + cidrs[0].String(), w.ip + " saddr != " + cidrs[0].String()
+			return w.fromCIDR(cidrs[0])
 		}
 	case render.DetectNodeCIDR:
 		if w.st.Node != nil {
 			if cidrs := bus.PrefixesOf(w.cfg.Family, w.st.Node.PodCIDRs); len(cidrs) > 0 {
-				return w.ip + " saddr " + cidrs[0].String(), w.ip + " saddr != " + cidrs[0].String()
+				return w.fromCIDR(cidrs[0])
 			}
 		}
 	case render.DetectBridgeInterface:
@@ -107,6 +107,10 @@ func (w *writer) localDetector() (isLocal, isNotLocal string) {
 		return "iifname " + w.cfg.InterfacePrefix + "*", "iifname != " + w.cfg.InterfacePrefix + "*"
 	}
 	return "", ""
+}
+
+func (w *writer) fromCIDR(p netip.Prefix) (isLocal, isNotLocal string) {
+	return w.ip + " saddr " + p.Masked().String(), w.ip + " saddr != " + p.Masked().String()
 }
 
 // chain creates a chain (once) and returns it.
