@@ -1,7 +1,10 @@
 package nftables
 
 import (
+	"net/netip"
 	"testing"
+
+	"github.com/kpipe/kpipe/bus"
 )
 
 // The goldens in testdata are upstream's expected output (see testdata/README.md):
@@ -85,4 +88,70 @@ func TestSyncProxyRulesRepeated(t *testing.T) {
 	endpoints(st, service(st, "ns3", "svc3", "172.30.0.43", 80, 0), "10.0.3.1")
 	service(st, "ns4", "svc4", "172.30.0.44", 80, 0)
 	requireGolden(t, "repeated-no-endpoints.golden", Render(upstreamConfig(), st).Dump())
+}
+
+// The goldens below are upstream's proxier's own output for the objects each
+// test builds (testdata/README.md says how it was run).
+
+// TestExternalTrafficPolicyLocal: upstream's test of that name's LoadBalancer,
+// eTP Local, with a local and a remote endpoint: the external chain ends in
+// the local- chain, which has only the local endpoint.
+func TestExternalTrafficPolicyLocal(t *testing.T) {
+	st := upstreamState()
+	svc := service(st, "ns1", "svc1", "172.30.0.41", 80, 3001)
+	svc.ExternalIPs, svc.LoadBalancerIPs = addrs("192.168.99.11"), addrs("1.2.3.4")
+	svc.ExternalPolicyLocal, svc.HealthCheckNodePort = true, 30000
+	endpoints(st, svc, "10.180.0.1", "10.180.2.1@test-node")
+
+	requireGolden(t, "etp-local.golden", Render(upstreamConfig(), st).Dump())
+}
+
+// TestInternalTrafficPolicyLocalAndTerminating: iTP Local with a local
+// endpoint (the ClusterIP goes to local-) and without (drop); a service whose
+// endpoints are all terminating uses the serving ones, ordered as text
+// (10.180.0.10 before 10.180.0.9).
+func TestInternalTrafficPolicyLocalAndTerminating(t *testing.T) {
+	st := upstreamState()
+	svc1 := service(st, "ns1", "svc1", "172.30.0.41", 80, 0)
+	svc1.InternalPolicyLocal = true
+	endpoints(st, svc1, "10.180.0.1@test-node", "10.180.1.1@other-node")
+	svc2 := service(st, "ns2", "svc2", "172.30.0.42", 80, 0)
+	svc2.InternalPolicyLocal = true
+	endpoints(st, svc2, "10.180.1.2@other-node")
+	svc3 := service(st, "ns3", "svc3", "172.30.0.43", 80, 0)
+	endpoints(st, svc3, "10.180.0.10@!", "10.180.0.9@!")
+	// Terminating and no longer serving: never used.
+	sl := st.Slices[svc3.ServiceKey][svc3.Name+"-1"]
+	sl.Items = append(sl.Items, bus.Endpoint{Addr: netip.MustParseAddr("10.180.0.8"), Terminating: true})
+
+	requireGolden(t, "itp-local-terminating.golden", Render(upstreamConfig(), st).Dump())
+}
+
+// TestNodePortsOnEveryAddress: nodePortAddresses unset matches every local
+// address (no nodeport-ips set; fib daddr type local), no ServiceCIDR known
+// (no drop rule), masqueradeAll (ClusterIP traffic always marked).
+func TestNodePortsOnEveryAddress(t *testing.T) {
+	cfg := upstreamConfig()
+	cfg.NodePortAddresses, cfg.ServiceCIDRs, cfg.MasqueradeAll = nil, nil, true
+	st := upstreamState()
+	endpoints(st, service(st, "ns1", "svc1", "172.30.0.41", 80, 3001), "10.180.0.1")
+
+	requireGolden(t, "match-all.golden", Render(cfg, st).Dump())
+}
+
+// TestIPv6: NewFakeProxier(IPv6)'s settings; a LoadBalancer with external IP,
+// source range and ClientIP affinity, endpoints on another target port (one
+// local), and a ClusterIP without endpoints.
+func TestIPv6(t *testing.T) {
+	cfg := upstreamConfig()
+	cfg.Family, cfg.ClusterCIDRs, cfg.ServiceCIDRs = bus.IPv6, prefixes("fd00:10::/64"), prefixes("fd00:10:96::/112")
+	st := upstreamState()
+	st.Node.Addrs = addrs("2001:db8::1")
+	svc := service(st, "ns1", "svc1", "fd00:10:96::41", 80, 3001)
+	svc.ExternalIPs, svc.LoadBalancerIPs = addrs("2001:db8:99::22"), addrs("2001:db8:5::8")
+	svc.LoadBalancerSourceRanges, svc.AffinitySeconds = prefixes("2001:db8:203::/64"), 300
+	endpointsOn(st, svc, 8080, "fd00:10:180::2", "fd00:10:180::1@test-node")
+	service(st, "ns2", "svc2", "fd00:10:96::42", 80, 0)
+
+	requireGolden(t, "ipv6.golden", Render(cfg, st).Dump())
 }

@@ -69,15 +69,24 @@ func service(st bus.State, ns, name, clusterIP string, port, nodePort int32) *bu
 
 func portName(port int32) string { return "p" + strconv.Itoa(int(port)) }
 
-// endpoints adds one slice of ready endpoints of svc's first port (same port
-// number), each "ip" or "ip@node".
+// endpoints adds one slice of ready endpoints of svc's first port, on the
+// same port number; each endpoint is "ip" or "ip@node".
 func endpoints(st bus.State, svc *bus.Service, eps ...string) {
+	endpointsOn(st, svc, svc.Ports[0].Port, eps...)
+}
+
+// endpointsOn is endpoints on target port, "ip" or "ip@node" or "ip@node!"
+// for an endpoint that is terminating and still serving.
+func endpointsOn(st bus.State, svc *bus.Service, target int32, eps ...string) {
 	port := svc.Ports[0]
-	sl := &bus.EndpointSlice{Service: svc.ServiceKey, Name: svc.Name + "-1", Family: bus.IPv4,
-		Ports: []bus.EndpointPort{{Name: port.Name, Protocol: port.Protocol, Port: port.Port}}}
+	sl := &bus.EndpointSlice{Service: svc.ServiceKey, Name: svc.Name + "-1",
+		Ports: []bus.EndpointPort{{Name: port.Name, Protocol: port.Protocol, Port: target}}}
 	for _, e := range eps {
 		addr, node, _ := strings.Cut(e, "@")
-		sl.Items = append(sl.Items, bus.Endpoint{Addr: netip.MustParseAddr(addr), NodeName: node, Ready: true, Serving: true})
+		node, terminating := strings.CutSuffix(node, "!")
+		a := netip.MustParseAddr(addr)
+		sl.Family = bus.FamilyOf(a)
+		sl.Items = append(sl.Items, bus.Endpoint{Addr: a, NodeName: node, Ready: !terminating, Serving: true, Terminating: terminating})
 	}
 	st.Slices[svc.ServiceKey] = map[string]*bus.EndpointSlice{sl.Name: sl}
 }
