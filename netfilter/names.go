@@ -86,7 +86,7 @@ func EndpointName(port bus.ServicePortName, endpoint string) string {
 // BucketChain names the chain of a destination prefix: "KUBE-SVC-B<bits>-" and a
 // hash of the prefix, so that chains sort by level (see Rank).
 func BucketChain(p netip.Prefix) string {
-	return PrefixBucket + strconv.Itoa(p.Bits()) + "-" + hash(p.String(), bucketHashLen)
+	return PrefixBucket + strconv.Itoa(p.Bits()) + "-" + NameHash(p.String(), bucketHashLen)
 }
 
 // bucketLevels are the prefix lengths of the dispatch levels, top first; the last
@@ -156,9 +156,11 @@ func isDispatchChain(chain string) bool {
 	return ok
 }
 
-func hash16(s string) string { return hash(s, serviceChainHashLen) }
+func hash16(s string) string { return NameHash(s, serviceChainHashLen) }
 
-func hash(s string, n int) string {
+// NameHash is the first n characters of the base32 of s's SHA-256: the hash
+// kube-proxy puts in its chain names (16 in iptables mode, 8 in nftables mode).
+func NameHash(s string, n int) string {
 	sum := sha256.Sum256([]byte(s))
 	return base32.StdEncoding.EncodeToString(sum[:])[:n]
 }

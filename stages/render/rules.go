@@ -219,17 +219,15 @@ func (r *ruleWriter) writeServicePort(svc *bus.Service, port bus.Port) {
 	p := strings.ToLower(string(port.Protocol))
 	sp.proto = []string{"-m", p, "-p", p}
 	sp.sources = bus.PrefixesOf(r.cfg.Family, svc.LoadBalancerSourceRanges)
-	sp.externally = port.NodePort != 0 || len(sp.externals) > 0 || len(sp.lbIPs) > 0
-	sp.extLocal = svc.ExternalPolicyLocal && sp.externally
-	usesCluster := !sp.intLocal || sp.externally
-	usesLocal := sp.intLocal || sp.extLocal
+	policies := PoliciesOf(svc, port, r.cfg.Family)
+	sp.externally, sp.extLocal = policies.Externally, policies.ExternalLocal
 	var podCIDRs []netip.Prefix
 	if node := r.snap.State.Node; node != nil {
 		podCIDRs = node.PodCIDRs
 	}
 	eps := endpointsFor(r.snap.State.Slices[svc.ServiceKey], r.cfg.Family, port, r.cfg.NodeName, podCIDRs)
 	r.endpoints += len(eps)
-	sp.endpoints = categorize(eps, usesCluster, usesLocal, r.cfg.NodeName, r.zone)
+	sp.endpoints = categorize(eps, policies.UsesCluster(), policies.UsesLocal(), r.cfg.NodeName, r.zone)
 	r.writeRules(sp)
 }
 
@@ -630,31 +628,4 @@ func (r *ruleWriter) writeNodePortsTail() {
 func (r *ruleWriter) healthCheckAddrs() []netip.Addr { return r.nodePortIPs() }
 
 // nodePortIPs lists the addresses NodePorts answer on, or nil for "every local address".
-func (r *ruleWriter) nodePortIPs() []netip.Addr {
-	switch {
-	case r.cfg.NodePortPrimary:
-		out := []netip.Addr{}
-		if node := r.snap.State.Node; node != nil {
-			if ips := bus.AddrsOf(r.cfg.Family, node.Addrs); len(ips) > 0 {
-				out = append(out, ips[0])
-			}
-		}
-		return out
-	case len(r.cfg.NodePortAddresses) > 0:
-		if slices.ContainsFunc(r.cfg.NodePortAddresses, func(p netip.Prefix) bool { return p.Bits() == 0 }) {
-			return nil // 0.0.0.0/0 or ::/0: kube-proxy matches every address
-		}
-		out := []netip.Addr{}
-		for _, a := range bus.AddrsOf(r.cfg.Family, r.snap.State.LocalAddrs) {
-			for _, p := range r.cfg.NodePortAddresses {
-				if p.Contains(a) {
-					out = append(out, a)
-					break
-				}
-			}
-		}
-		slices.SortFunc(out, netip.Addr.Compare)
-		return slices.Compact(out)
-	}
-	return nil
-}
+func (r *ruleWriter) nodePortIPs() []netip.Addr { return NodePortIPs(r.cfg, r.snap.State) }
