@@ -206,14 +206,7 @@ func nftBed(t *testing.T) (writer, nft *netnstest.Namespace) {
 // runNFT runs nft in ns with args, script on its standard input.
 func runNFT(t *testing.T, ns *netnstest.Namespace, script string, args ...string) (out string, err error) {
 	t.Helper()
-	ns.Run(t, func() error {
-		cmd := exec.Command("nft", args...)
-		cmd.Stdin = strings.NewReader(script)
-		b, runErr := cmd.CombinedOutput()
-		out, err = string(b), runErr
-		return nil
-	})
-	return out, err
+	return ns.Output(t, script, "nft", args...)
 }
 
 func loadNFT(t *testing.T, ns *netnstest.Namespace, script string) {

@@ -8,8 +8,10 @@ import (
 	"flag"
 	"fmt"
 	"os"
+	"os/exec"
 	"runtime"
 	"strconv"
+	"strings"
 	"testing"
 
 	"github.com/vishvananda/netns"
@@ -131,4 +133,18 @@ func (n *Namespace) Run(tb testing.TB, f func() error) {
 	if err := f(); err != nil {
 		tb.Fatal(err)
 	}
+}
+
+// Output runs the command name in the namespace with stdin as its input and
+// returns what it printed (stdout and stderr) and how it ended.
+func (n *Namespace) Output(tb testing.TB, stdin, name string, args ...string) (out string, err error) {
+	tb.Helper()
+	n.Run(tb, func() error {
+		cmd := exec.Command(name, args...)
+		cmd.Stdin = strings.NewReader(stdin)
+		b, runErr := cmd.CombinedOutput()
+		out, err = string(b), runErr
+		return nil
+	})
+	return out, err
 }

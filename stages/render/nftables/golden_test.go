@@ -19,6 +19,11 @@ func TestEmptyClusterIsUpstreamBaseRules(t *testing.T) {
 
 // TestOverallNFTablesRules: upstream's test of the same name, six services.
 func TestOverallNFTablesRules(t *testing.T) {
+	requireGolden(t, "overall.golden", overallTable().Dump())
+}
+
+// overallTable renders upstream's TestOverallNFTablesRules' six services.
+func overallTable() *Table {
 	st := upstreamState()
 	// ClusterIP, one endpoint.
 	svc1 := service(st, "ns1", "svc1", "172.30.0.41", 80, 0)
@@ -43,8 +48,7 @@ func TestOverallNFTablesRules(t *testing.T) {
 	endpoints(st, svc5, "10.180.0.3")
 	// ClusterIP without endpoints.
 	service(st, "ns6", "svc6", "172.30.0.46", 80, 0)
-
-	requireGolden(t, "overall.golden", Render(upstreamConfig(), st).Dump())
+	return Render(upstreamConfig(), st)
 }
 
 // TestSyncProxyRulesStartup: the state upstream's test ends in, which is what
@@ -143,6 +147,11 @@ func TestNodePortsOnEveryAddress(t *testing.T) {
 // source range and ClientIP affinity, endpoints on another target port (one
 // local), and a ClusterIP without endpoints.
 func TestIPv6(t *testing.T) {
+	requireGolden(t, "ipv6.golden", ipv6Table().Dump())
+}
+
+// ipv6Table renders TestIPv6's services.
+func ipv6Table() *Table {
 	cfg := upstreamConfig()
 	cfg.Family, cfg.ClusterCIDRs, cfg.ServiceCIDRs = bus.IPv6, prefixes("fd00:10::/64"), prefixes("fd00:10:96::/112")
 	st := upstreamState()
@@ -152,6 +161,5 @@ func TestIPv6(t *testing.T) {
 	svc.LoadBalancerSourceRanges, svc.AffinitySeconds = prefixes("2001:db8:203::/64"), 300
 	endpointsOn(st, svc, 8080, "fd00:10:180::2", "fd00:10:180::1@test-node")
 	service(st, "ns2", "svc2", "fd00:10:96::42", 80, 0)
-
-	requireGolden(t, "ipv6.golden", Render(cfg, st).Dump())
+	return Render(cfg, st)
 }
