@@ -15,10 +15,12 @@ import (
 // and expression, each a fixed name: runTool's binary is Tool.binary(suffix)
 // ("iptables" or "ip6tables", the backend, "-save"/"-restore"), which the test
 // below checks is only ever called with literals; nftBinary is "nft" (a variable
-// so a test can point it at a missing binary).
+// so a test can point it at a missing binary); netnstest's Output runs the tool a
+// test names in the test's namespace (test support: only tests import it).
 var execVariables = map[string]string{
-	"netfilter/tool.go":    "binary",
-	"netfilter/cleanup.go": "nftBinary",
+	"netfilter/tool.go":                "binary",
+	"netfilter/cleanup.go":             "nftBinary",
+	"netfilter/netnstest/netnstest.go": "name",
 }
 
 // TestExecOnlyFixedBinaries: every program kpipe's code starts is a fixed binary
