@@ -1,6 +1,7 @@
 package e2e
 
 import (
+	"cmp"
 	"encoding/json"
 	"fmt"
 	"net"
@@ -110,11 +111,11 @@ func explainArgs(d dialer, ns, addr string) (args []string, src netip.Addr, ok b
 	case ns == tb.NodeNS:
 		from = "node"
 	case ns == tb.ClientNS:
-		from, source = "outside", cmpOr(source, pick(testbed.ClientIPv4, testbed.ClientIPv6))
+		from, source = "outside", cmp.Or(source, pick(testbed.ClientIPv4, testbed.ClientIPv6))
 	default:
 		for _, p := range tb.Pods {
 			if p.NS == ns {
-				from, source = "pod", cmpOr(source, pick(p.IPv4, p.IPv6))
+				from, source = "pod", cmp.Or(source, pick(p.IPv4, p.IPv6))
 			}
 		}
 	}
@@ -135,13 +136,6 @@ func familyOf(addr string) string {
 		return "ip6"
 	}
 	return "ip"
-}
-
-func cmpOr(a, b string) string {
-	if a != "" {
-		return a
-	}
-	return b
 }
 
 // disagrees says how the prediction differs from what the requests did.

@@ -5,9 +5,11 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"io"
 	"net"
 	"net/netip"
 	"os"
+	"slices"
 	"strconv"
 	"strings"
 	"time"
@@ -69,7 +71,7 @@ listed. Session affinity is traced as for a client seen for the first time.`,
 }
 
 // explain traces the packet fl describes and prints what happens to it.
-func explain(ctx context.Context, fl explainFlags, out interface{ Write([]byte) (int, error) }) error {
+func explain(ctx context.Context, fl explainFlags, out io.Writer) error {
 	pkt, local, note, err := fl.packet()
 	if err != nil {
 		return err
@@ -117,7 +119,7 @@ func (fl explainFlags) packet() (p tracer.Packet, local []netip.Addr, note strin
 		return p, nil, "", err
 	}
 	p = tracer.Packet{Dest: dst.Addr().Unmap(), DPort: int(dst.Port()), Proto: strings.ToLower(fl.proto)}
-	if _, err := nf.ParseProto(p.Proto); err != nil || p.Proto == "icmp" {
+	if !slices.Contains([]string{"tcp", "udp", "sctp"}, p.Proto) {
 		return p, nil, "", fmt.Errorf("--proto %q: want tcp, udp or sctp", fl.proto)
 	}
 	for _, s := range fl.nodeIPs {

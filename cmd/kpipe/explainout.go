@@ -71,7 +71,7 @@ func newExplanation(fl explainFlags, p tracer.Packet, note string, res tracer.Re
 		}
 		if path.Endpoint.IsValid() && path.Verdict == tracer.Accept {
 			ep.Endpoint = path.Endpoint.String()
-			masq := map[bool]string{true: "yes", false: "no"}[path.Masqueraded]
+			masq := yesNo(path.Masqueraded)
 			if seen := byEndpoint[path.Endpoint]; seen != nil {
 				seen.Probability += path.Probability
 				if seen.Masqueraded != masq {
@@ -209,7 +209,7 @@ func (p explainedPath) summary() string {
 	case p.Verdict != tracer.Accept && len(p.Steps) > 0:
 		last := p.Steps[len(p.Steps)-1]
 		why := ""
-		if svc := serviceOf(last.Comment); svc != "" || last.Comment != "" {
+		if last.Comment != "" {
 			why = ": " + last.Comment
 		}
 		if last.Rule == "" {
@@ -217,9 +217,16 @@ func (p explainedPath) summary() string {
 		}
 		return fmt.Sprintf("%s by a rule of %s/%s%s", p.Verdict, last.Table, last.Chain, why)
 	case p.Endpoint != "":
-		return fmt.Sprintf("DNAT to %s, %s, ACCEPT (%s)", p.Endpoint, masqText(map[bool]string{true: "yes", false: "no"}[p.Masqueraded]), p.Delivered)
+		return fmt.Sprintf("DNAT to %s, %s, ACCEPT (%s)", p.Endpoint, masqText(yesNo(p.Masqueraded)), p.Delivered)
 	}
 	return fmt.Sprintf("%s, not DNATed (%s)", p.Verdict, p.Delivered)
+}
+
+func yesNo(b bool) string {
+	if b {
+		return "yes"
+	}
+	return "no"
 }
 
 func masqText(m string) string {

@@ -221,7 +221,7 @@ func requireNoNewOutcome(t *testing.T, between, before, after *bus.Plan, service
 			}
 			for _, path := range res.Paths {
 				if !outcomes[outcome(path)] {
-					t.Errorf("%s %s: a path neither the old nor the new rules give: %s\n%s", svc.Name, port.Name, outcome(path), strings.Join(res.Trace, "\n"))
+					t.Errorf("%s %s: a path neither the old nor the new rules give: %s\n%s", svc.Name, port.Name, outcome(path), strings.Join(res.Trace(), "\n"))
 				}
 				if gone[svc.Name] && path.Endpoint.IsValid() && !slices.Contains(newEndpoints, path.Endpoint) {
 					t.Errorf("%s %s: still sent to %s, which went away", svc.Name, port.Name, path.Endpoint)

@@ -133,7 +133,7 @@ func checkFlow(plan *bus.Plan, nodeIPs, localAddrs []netip.Addr, f flow) error {
 	if len(wrong) == 0 {
 		return nil
 	}
-	return &flowError{pkt: f.pkt, wrong: wrong, trace: res.Trace}
+	return &flowError{pkt: f.pkt, wrong: wrong, trace: res.Trace()}
 }
 
 // checkFlows asserts every flow through plan, for a node with node()'s
@@ -471,7 +471,7 @@ func TestFlowSessionAffinity(t *testing.T) {
 	for _, path := range res.Paths {
 		wantList := []string{nf.EndpointName(name, path.Endpoint.String())}
 		if !slices.Equal(path.Affinity, wantList) {
-			t.Errorf("path to %s records the client in %v, want %v\n%s", path.Endpoint, path.Affinity, wantList, strings.Join(path.Trace, "\n"))
+			t.Errorf("path to %s records the client in %v, want %v\n%s", path.Endpoint, path.Affinity, wantList, strings.Join(path.Trace(), "\n"))
 		}
 	}
 	if plainRes := tracer.Trace(plain, node().Addrs, nil, pod.tcp("10.96.0.60", 80)); len(plainRes.Paths) == 0 || len(plainRes.Paths[0].Affinity) != 0 {
@@ -550,7 +550,7 @@ func TestFlowHairpin(t *testing.T) {
 			toSelf := path.Endpoint.Addr() == ip(self)
 			if path.Masqueraded != toSelf || path.Verdict != tracer.Accept {
 				t.Errorf("%s, path to %s: masqueraded %v, verdict %s; want masqueraded %v, ACCEPT\n%s",
-					describe(pkt), path.Endpoint, path.Masqueraded, path.Verdict, toSelf, strings.Join(path.Trace, "\n"))
+					describe(pkt), path.Endpoint, path.Masqueraded, path.Verdict, toSelf, strings.Join(path.Trace(), "\n"))
 			}
 		}
 	}

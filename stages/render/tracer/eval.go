@@ -47,11 +47,7 @@ func (f *flow) with(step Step) *flow {
 }
 
 func (f *flow) path() Path {
-	trace := make([]string, len(f.steps))
-	for i, s := range f.steps {
-		trace[i] = s.String()
-	}
-	return Path{Endpoint: f.dnat, Masqueraded: f.masq, Verdict: f.verdict, Affinity: f.recent, Trace: trace,
+	return Path{Endpoint: f.dnat, Masqueraded: f.masq, Verdict: f.verdict, Affinity: f.recent,
 		Steps: f.steps, Probability: f.prob, Unevaluated: f.skipped}
 }
 

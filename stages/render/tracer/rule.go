@@ -20,7 +20,7 @@ type rule struct {
 // parseOrOpaque parses one rule of a node's chain: one the tracer cannot
 // follow (a match or target kpipe does not write, a target that is no chain
 // of the table, such as LOG) is kept as opaque, with the reason.
-func parseOrOpaque(chain, line string, chains map[string][]string) *rule {
+func parseOrOpaque(chain, line string, chains map[string]*nf.SavedChain) *rule {
 	r, err := parseLine(chain, line)
 	if err != nil {
 		return &rule{Rule: nf.Rule{Chain: chain}, line: line, opaque: err.Error()}

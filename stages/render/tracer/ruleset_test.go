@@ -40,10 +40,10 @@ func TestTraceRulesetOnASharedNode(t *testing.T) {
 		t.Fatal(res.Err)
 	}
 	if got, want := res.Endpoints, aps("10.244.1.5:8080", "10.244.2.6:8080"); !slices.Equal(got, want) {
-		t.Fatalf("endpoints %v, want %v\n%s", got, want, strings.Join(res.Trace, "\n"))
+		t.Fatalf("endpoints %v, want %v\n%s", got, want, strings.Join(res.Trace(), "\n"))
 	}
 	if res.Verdict != Accept || res.Masqueraded {
-		t.Fatalf("got %s; want ACCEPT, not masqueraded (a pod's own source)\n%s", res, strings.Join(res.Trace, "\n"))
+		t.Fatalf("got %s; want ACCEPT, not masqueraded (a pod's own source)\n%s", res, strings.Join(res.Trace(), "\n"))
 	}
 	sum := 0.0
 	for _, p := range res.Paths {
@@ -57,7 +57,7 @@ func TestTraceRulesetOnASharedNode(t *testing.T) {
 			t.Errorf("path to %s passed unevaluated %q; want the LOG rule and Docker's MASQUERADE", p.Endpoint, p.Unevaluated)
 		}
 		if !slices.ContainsFunc(p.Steps, func(s Step) bool { return strings.HasPrefix(s.Chain, "KUBE-SEP-") && s.Comment == "default/web:http" }) {
-			t.Errorf("path to %s: no step names default/web:http in its endpoint's chain: %v", p.Endpoint, p.Trace)
+			t.Errorf("path to %s: no step names default/web:http in its endpoint's chain: %v", p.Endpoint, p.Trace())
 		}
 	}
 	if math.Abs(sum-1) > 1e-9 {

@@ -65,9 +65,7 @@ type Path struct {
 	// Affinity lists the xt_recent lists the packet was recorded in (--set):
 	// where session affinity will send the client's next connection.
 	Affinity []string
-	// Trace lists the rules that matched, as "table/CHAIN: rule".
-	Trace []string
-	// Steps are Trace's entries, with each rule's comment.
+	// Steps are the rules that matched, and the built-in chains entered.
 	Steps []Step
 	// Probability is the chance a new connection takes this path (the
 	// statistic matches it took or passed); the paths' sum is 1.
@@ -93,6 +91,15 @@ type Step struct {
 	Mark string `json:"mark,omitempty"`
 }
 
+// Trace lists the path's steps, as "table/CHAIN: rule".
+func (p Path) Trace() []string {
+	out := make([]string, len(p.Steps))
+	for i, s := range p.Steps {
+		out[i] = s.String()
+	}
+	return out
+}
+
 func (s Step) String() string {
 	if s.Rule == "" {
 		return s.Table + "/" + s.Chain + ": (" + s.Comment + ")"
@@ -112,12 +119,22 @@ type Result struct {
 	// distinct verdicts sorted and joined by "|" (such as "ACCEPT|DROP"); Error
 	// when the trace failed.
 	Verdict string
-	// Trace is every path's trace, each headed by "path N:", for failure messages.
-	Trace []string
-	Paths []Path
+	Paths   []Path
 	// Err says why the trace failed: a rule the tracer does not understand, a
 	// jump to a chain the plan does not hold, a packet of the wrong family.
 	Err error
+}
+
+// Trace is every path's trace, each headed by "path N:", for failure messages.
+func (r Result) Trace() []string {
+	var out []string
+	for i, path := range r.Paths {
+		out = append(out, fmt.Sprintf("path %d: %s", i+1, path.Verdict))
+		for _, line := range path.Trace() {
+			out = append(out, "  "+line)
+		}
+	}
+	return out
 }
 
 // String is a one-line summary for failure messages.
@@ -163,16 +180,12 @@ func (t *tracer) trace(err error, p Packet) Result {
 func summarize(paths []Path) Result {
 	res := Result{Paths: paths}
 	var verdicts []string
-	for i, path := range paths {
+	for _, path := range paths {
 		if path.Endpoint.IsValid() {
 			res.Endpoints = append(res.Endpoints, path.Endpoint)
 		}
 		res.Masqueraded = res.Masqueraded || path.Masqueraded
 		verdicts = append(verdicts, path.Verdict)
-		res.Trace = append(res.Trace, fmt.Sprintf("path %d: %s", i+1, path.Verdict))
-		for _, line := range path.Trace {
-			res.Trace = append(res.Trace, "  "+line)
-		}
 	}
 	slices.SortFunc(res.Endpoints, netip.AddrPort.Compare)
 	res.Endpoints = slices.Compact(res.Endpoints)
@@ -243,10 +256,7 @@ func rulesetTracer(rs *nf.Ruleset, local []netip.Addr) (*tracer, error) {
 		if tb == nil {
 			return nil, fmt.Errorf("no %s table", table)
 		}
-		declared := map[string][]string{}
-		for _, c := range tb.Chains {
-			declared[c.Name] = c.Rules
-		}
+		declared := tb.ByName()
 		chains := map[string][]*rule{}
 		t.policy[table] = map[string]string{}
 		for _, c := range tb.Chains {

@@ -196,7 +196,7 @@ func TestFilterVerdicts(t *testing.T) {
 		{Packet{Source: lo, Dest: lo, Proto: "tcp", DPort: 22, From: FromOutput}, Accept},
 	} {
 		if res := Trace(p, nodeIPs, nil, tc.pkt); res.Err != nil || res.Verdict != tc.want {
-			t.Errorf("%+v: %v, want %s\n%s", tc.pkt, res, tc.want, strings.Join(res.Trace, "\n"))
+			t.Errorf("%+v: %v, want %s\n%s", tc.pkt, res, tc.want, strings.Join(res.Trace(), "\n"))
 		}
 	}
 }
