@@ -12,7 +12,9 @@ import (
 	"sync/atomic"
 	"testing"
 
+	"github.com/kpipe/kpipe/bus"
 	"github.com/kpipe/kpipe/e2e/testbed"
+	nf "github.com/kpipe/kpipe/netfilter"
 )
 
 // Every request the feature tests assert (expectExactly and the negative
@@ -64,7 +66,7 @@ func explainAgrees(t *testing.T, what string, d dialer, ns, addr string, obs obs
 		return
 	}
 	out, err := tb.Exec(tb.NodeNS, append([]string{tb.Kpipe().Bin, "explain", "--json"}, args...)...)
-	if _, nftMode := tb.Exec(tb.NodeNS, "nft", "list", "table", familyOf(addr), "kube-proxy"); nftMode == nil {
+	if _, nftMode := tb.Exec(tb.NodeNS, "nft", "list", "table", nf.NFTFamily(bus.FamilyOf(netip.MustParseAddrPort(addr).Addr().Unmap())), nf.NFTablesTable); nftMode == nil {
 		// kube-proxy's nftables mode serves the node: explain must refuse.
 		if err == nil {
 			t.Fatalf("%s: kpipe explain %s answered on a node served by kube-proxy's nftables mode:\n%s", what, strings.Join(args, " "), out)
@@ -128,14 +130,6 @@ func explainArgs(d dialer, ns, addr string) (args []string, src netip.Addr, ok b
 		src = netip.MustParseAddr(source)
 	}
 	return args, src, true
-}
-
-// familyOf is nft's name for the family of addr's IP: "ip" or "ip6".
-func familyOf(addr string) string {
-	if netip.MustParseAddrPort(addr).Addr().Unmap().Is6() {
-		return "ip6"
-	}
-	return "ip"
 }
 
 // disagrees says how the prediction differs from what the requests did.

@@ -131,39 +131,46 @@ var nftBinary = "nft"
 // nftWait bounds one run of nft.
 const nftWait = 10 * time.Second
 
-// DeleteNFTablesKubeProxy deletes the nf_tables tables kube-proxy's nftables mode
-// creates ("ip kube-proxy" and "ip6 kube-proxy"), if they exist, so a node that
-// ran kube-proxy in nftables mode can switch to the iptables mode. It deletes
-// nothing else. With no nft installed there is nothing it could have made.
-func DeleteNFTablesKubeProxy(ctx context.Context) error {
-	if _, err := exec.LookPath(nftBinary); err != nil {
-		return nil
+// NFTablesTable is the nf_tables table kube-proxy's nftables mode programs
+// Services in, in both families ("ip kube-proxy", "ip6 kube-proxy").
+const NFTablesTable = "kube-proxy"
+
+// NFTFamily is f as nft names it: "ip" or "ip6".
+func NFTFamily(f bus.Family) string {
+	if f == bus.IPv6 {
+		return "ip6"
 	}
+	return "ip"
+}
+
+// DeleteNFTablesKubeProxy deletes the nf_tables tables kube-proxy's nftables mode
+// creates, if they exist, so a node that ran kube-proxy in nftables mode can
+// switch to the iptables mode. It deletes nothing else. With no nft installed
+// there is nothing it could have made.
+func DeleteNFTablesKubeProxy(ctx context.Context) error {
 	ctx, cancel := context.WithTimeout(ctx, nftWait)
 	defer cancel()
 	var errs []error
-	for _, family := range []string{"ip", "ip6"} {
-		if _, err := runNFT(ctx, "list", "table", family, "kube-proxy"); err != nil {
-			continue // not there (or no nf_tables at all)
+	for _, f := range []bus.Family{bus.IPv4, bus.IPv6} {
+		if !NFTablesKubeProxyPresent(ctx, f) {
+			continue // not there (or no nf_tables, or no nft, at all)
 		}
-		if _, err := runNFT(ctx, "delete", "table", family, "kube-proxy"); err != nil {
+		if _, err := runNFT(ctx, "delete", "table", NFTFamily(f), NFTablesTable); err != nil {
 			errs = append(errs, err)
 		}
 	}
 	return errors.Join(errs...)
 }
 
-// NFTablesKubeProxyPresent says whether family has the nf_tables table
-// kube-proxy's nftables mode programs Services in ("ip kube-proxy" or "ip6
-// kube-proxy"); false without nft, which that mode cannot run without.
+// NFTablesKubeProxyPresent says whether family has NFTablesTable; false
+// without nft, which kube-proxy's nftables mode cannot run without.
 func NFTablesKubeProxyPresent(ctx context.Context, family bus.Family) bool {
 	if _, err := exec.LookPath(nftBinary); err != nil {
 		return false
 	}
 	ctx, cancel := context.WithTimeout(ctx, nftWait)
 	defer cancel()
-	nftFamily := map[bus.Family]string{bus.IPv4: "ip", bus.IPv6: "ip6"}[family]
-	_, err := runNFT(ctx, "list", "table", nftFamily, "kube-proxy")
+	_, err := runNFT(ctx, "list", "table", NFTFamily(family), NFTablesTable)
 	return err == nil
 }
 

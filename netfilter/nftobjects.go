@@ -346,18 +346,10 @@ func ipParser(ofFamily func(netip.Addr) bool) func(string) ([]byte, error) {
 	}
 }
 
-// ipProtocols are the protocols kube-proxy writes, by the names nft prints.
-var ipProtocols = map[string]byte{"tcp": 6, "udp": 17, "sctp": 132}
-
+// parseInetProto reads a protocol as nft writes it: a name ("tcp") or a number.
 func parseInetProto(s string) ([]byte, error) {
-	if p, ok := ipProtocols[s]; ok {
-		return []byte{p}, nil
-	}
-	p, err := strconv.ParseUint(s, 10, 8)
-	if err != nil {
-		return nil, fmt.Errorf("protocol %q", s)
-	}
-	return []byte{byte(p)}, nil
+	p, err := ParseProto(s)
+	return []byte{p}, err
 }
 
 func parseInetService(s string) ([]byte, error) {

@@ -50,7 +50,7 @@ func TestSubscriptionReportsTheFamilysChanges(t *testing.T) {
 				return err
 			})
 			defer sub.Close()
-			nft := map[bus.Family]string{bus.IPv4: "ip", bus.IPv6: "ip6"}[family]
+			nft := NFTFamily(family)
 			steps := []struct {
 				name string
 				do   func() error

@@ -8,10 +8,11 @@ import (
 	"time"
 
 	"github.com/kpipe/kpipe/bus"
+	nf "github.com/kpipe/kpipe/netfilter"
 )
 
 // TableName is the table kube-proxy's nftables mode owns, one per family.
-const TableName = "kube-proxy"
+const TableName = nf.NFTablesTable
 
 // Table is the whole table of one family: its chains and its sets and maps, each
 // in the order a fresh node creates them.
@@ -78,14 +79,6 @@ func (t *Table) Set(name string) *Set {
 	return t.Sets[i]
 }
 
-// nftFamily is the family as nft names it.
-func nftFamily(f bus.Family) string {
-	if f == bus.IPv6 {
-		return "ip6"
-	}
-	return "ip"
-}
-
 // Dump prints the table as `add` commands in the form of knftables' Fake.Dump,
 // sorted as kube-proxy's tests sort a dump before comparing it
 // (helpers_test.go sortNFTablesTransaction): by object kind (table, chains,
@@ -98,9 +91,9 @@ func (t *Table) Dump() string {
 		lines = append(lines, dumpLine{kindOrder[kind], name, kind == "rule", text})
 	}
 	prefix := func(kind, name string) string {
-		return fmt.Sprintf("add %s %s %s %s", kind, nftFamily(t.Family), TableName, name)
+		return fmt.Sprintf("add %s %s %s %s", kind, nf.NFTFamily(t.Family), TableName, name)
 	}
-	table := fmt.Sprintf("add table %s %s", nftFamily(t.Family), TableName)
+	table := fmt.Sprintf("add table %s %s", nf.NFTFamily(t.Family), TableName)
 	if t.Comment != "" {
 		table += fmt.Sprintf(" { comment %q ; }", t.Comment)
 	}

@@ -7,7 +7,6 @@ import (
 	"strings"
 	"testing"
 
-	"github.com/kpipe/kpipe/bus"
 	nf "github.com/kpipe/kpipe/netfilter"
 	"github.com/kpipe/kpipe/netfilter/netnstest"
 )
@@ -39,7 +38,7 @@ func TestRenderedObjectsWrittenAsNFTLoadsThem(t *testing.T) {
 			if out, err := loader.Output(t, script.String(), "nft", "-f", "-"); err != nil {
 				t.Fatalf("nft -f of the dump: %v: %s", err, out)
 			}
-			family := map[bus.Family]string{bus.IPv4: "ip", bus.IPv6: "ip6"}[table.Family]
+			family := nf.NFTFamily(table.Family)
 			got, err := writer.Output(t, "", "nft", "list", "table", family, TableName)
 			if err != nil {
 				t.Fatal(err, got)

@@ -7,6 +7,7 @@ import (
 	"strings"
 
 	"github.com/kpipe/kpipe/bus"
+	nf "github.com/kpipe/kpipe/netfilter"
 	"github.com/kpipe/kpipe/stages/render"
 )
 
@@ -74,7 +75,7 @@ type writer struct {
 
 func newWriter(cfg Config, st bus.State) *writer {
 	w := &writer{cfg: cfg, st: st, t: &Table{Family: cfg.Family, Comment: "rules for kube-proxy"},
-		ip: nftFamily(cfg.Family), addr: "ipv4_addr",
+		ip: nf.NFTFamily(cfg.Family), addr: "ipv4_addr",
 		chains: map[string]*Chain{}, sets: map[string]*Set{}}
 	if cfg.Family == bus.IPv6 {
 		w.addr = "ipv6_addr"
