@@ -5,7 +5,9 @@
 package bus
 
 import (
+	"cmp"
 	"net/netip"
+	"strings"
 	"time"
 )
 
@@ -75,6 +77,12 @@ func ofFamily[T any](f Family, xs []T, addr func(T) netip.Addr) []T {
 type ServiceKey struct{ Namespace, Name string }
 
 func (k ServiceKey) String() string { return k.Namespace + "/" + k.Name }
+
+// Compare orders keys by namespace, then name: the order renderers write
+// services in.
+func (k ServiceKey) Compare(o ServiceKey) int {
+	return cmp.Or(strings.Compare(k.Namespace, o.Namespace), strings.Compare(k.Name, o.Name))
+}
 
 // ServicePortName names one port of a Service, as kube-proxy's ServicePortName does.
 type ServicePortName struct {

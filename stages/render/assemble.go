@@ -150,7 +150,7 @@ func (a *assembly) rebuild(cache map[bus.ServiceKey]*cachedService, partsOf func
 		for k := range c.by {
 			keys = append(keys, k)
 		}
-		slices.SortFunc(keys, compareKeys)
+		slices.SortFunc(keys, bus.ServiceKey.Compare)
 		if !c.declared() && len(keys) == 0 {
 			delete(a.shared, c.name)
 			a.gone = append(a.gone, c.name)
@@ -207,7 +207,7 @@ func (a *assembly) sortShared() {
 		}
 	}
 	slices.SortFunc(byService, func(x, y *sharedChain) int {
-		return cmp.Or(compareKeys(x.first, y.first), x.firstAt-y.firstAt)
+		return cmp.Or(x.first.Compare(y.first), x.firstAt-y.firstAt)
 	})
 	for _, c := range byService {
 		place(c)
@@ -219,10 +219,6 @@ func (a *assembly) sortShared() {
 		place(a.shared[name])
 	}
 	slices.SortStableFunc(a.order, func(x, y *sharedChain) int { return x.rank - y.rank })
-}
-
-func compareKeys(a, b bus.ServiceKey) int {
-	return cmp.Or(strings.Compare(a.Namespace, b.Namespace), strings.Compare(a.Name, b.Name))
 }
 
 // rankOf is chain's nf.Rank, capped to keep with each part (every rank above
@@ -375,7 +371,7 @@ func (m *planMaps) replace(key bus.ServiceKey, old, new *cachedService) {
 func (m *planMaps) addUDP(key bus.ServiceKey, fronts []udpFrontEnd) {
 	for _, u := range fronts {
 		s := m.udp[u.front]
-		if s.owners == 0 || compareKeys(key, s.owner) >= 0 {
+		if s.owners == 0 || key.Compare(s.owner) >= 0 {
 			s.to, s.owner = u.to, key
 		}
 		s.owners++

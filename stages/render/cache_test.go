@@ -179,7 +179,7 @@ func TestRendererAddsManyServicesInOrder(t *testing.T) {
 	cfg := baseConfig()
 	all := rendertest.SyntheticState(300, 2)
 	all.Node = node()
-	keys := slices.SortedFunc(maps.Keys(all.Services), compareKeys)
+	keys := slices.SortedFunc(maps.Keys(all.Services), bus.ServiceKey.Compare)
 	rr := NewRenderer(cfg)
 	st := all
 	st.Services = map[bus.ServiceKey]*bus.Service{}

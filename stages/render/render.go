@@ -198,7 +198,7 @@ func (rr *Renderer) rendered(snap *bus.Snapshot, key bus.ServiceKey) *cachedServ
 // key, and tells the assemblies which shared chains change.
 func (rr *Renderer) replace(key bus.ServiceKey, old, new *cachedService) {
 	rr.account(key, old, new)
-	i, found := slices.BinarySearchFunc(rr.keys, key, compareKeys)
+	i, found := slices.BinarySearchFunc(rr.keys, key, bus.ServiceKey.Compare)
 	switch {
 	case new == nil:
 		delete(rr.cache, key)
@@ -217,12 +217,12 @@ func (rr *Renderer) replace(key bus.ServiceKey, old, new *cachedService) {
 // and merged in one pass, as inserting 10^4 of them one by one into the sorted
 // slices is quadratic (a tenth of a first render at 10k services).
 func (rr *Renderer) addKeys(added []bus.ServiceKey) {
-	slices.SortFunc(added, compareKeys)
+	slices.SortFunc(added, bus.ServiceKey.Compare)
 	keys := make([]bus.ServiceKey, 0, len(rr.keys)+len(added))
 	services := make([]*cachedService, 0, cap(keys))
 	i := 0
 	for _, key := range added {
-		for ; i < len(rr.keys) && compareKeys(rr.keys[i], key) < 0; i++ {
+		for ; i < len(rr.keys) && rr.keys[i].Compare(key) < 0; i++ {
 			keys, services = append(keys, rr.keys[i]), append(services, rr.services[i])
 		}
 		keys, services = append(keys, key), append(services, rr.cache[key])

@@ -21,7 +21,6 @@ type ruleWriter struct {
 	mark       string // masquerade mark, as "0x4000/0x4000"
 	isLocal    []string
 	isNotLocal []string
-	zone       string
 	udp        map[netip.AddrPort][]netip.AddrPort
 	checks     map[bus.ServiceKey]bus.HealthCheck
 	noLocal    bus.NoLocal
@@ -42,9 +41,6 @@ func newRuleWriter(cfg Config, snap *bus.Snapshot) *ruleWriter {
 	}
 	m := fmt.Sprintf("0x%x", uint32(1)<<uint(cfg.MasqueradeBit))
 	r.mark = m + "/" + m
-	if node := snap.State.Node; node != nil {
-		r.zone = node.Zone
-	}
 	r.isLocal, r.isNotLocal = r.localDetector()
 	return r
 }
@@ -221,13 +217,9 @@ func (r *ruleWriter) writeServicePort(svc *bus.Service, port bus.Port) {
 	sp.sources = bus.PrefixesOf(r.cfg.Family, svc.LoadBalancerSourceRanges)
 	policies := PoliciesOf(svc, port, r.cfg.Family)
 	sp.externally, sp.extLocal = policies.Externally, policies.ExternalLocal
-	var podCIDRs []netip.Prefix
-	if node := r.snap.State.Node; node != nil {
-		podCIDRs = node.PodCIDRs
-	}
-	eps := endpointsFor(r.snap.State.Slices[svc.ServiceKey], r.cfg.Family, port, r.cfg.NodeName, podCIDRs)
+	var eps []endpoint
+	eps, sp.endpoints = selectEndpoints(r.snap.State, r.cfg.Family, r.cfg.NodeName, svc, port, policies)
 	r.endpoints += len(eps)
-	sp.endpoints = categorize(eps, policies.UsesCluster(), policies.UsesLocal(), r.cfg.NodeName, r.zone)
 	r.writeRules(sp)
 }
 

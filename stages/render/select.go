@@ -51,15 +51,20 @@ type PortEndpoints struct {
 // as render's own rules use them (ready, serving-terminating fallback,
 // topology hints, traffic policies).
 func SelectEndpoints(st bus.State, f bus.Family, nodeName string, svc *bus.Service, port bus.Port) PortEndpoints {
+	_, c := selectEndpoints(st, f, nodeName, svc, port, PoliciesOf(svc, port, f))
+	return PortEndpoints{Cluster: addrPorts(c.cluster), Local: addrPorts(c.local), Reachable: addrPorts(c.reachable), Any: c.hasAny}
+}
+
+// selectEndpoints is SelectEndpoints' work, and every endpoint of the port
+// in the family, which kube-proxy counts.
+func selectEndpoints(st bus.State, f bus.Family, nodeName string, svc *bus.Service, port bus.Port, p Policies) ([]endpoint, categorized) {
 	var zone string
 	var podCIDRs []netip.Prefix
 	if st.Node != nil {
 		zone, podCIDRs = st.Node.Zone, st.Node.PodCIDRs
 	}
-	p := PoliciesOf(svc, port, f)
 	eps := endpointsFor(st.Slices[svc.ServiceKey], f, port, nodeName, podCIDRs)
-	c := categorize(eps, p.UsesCluster(), p.UsesLocal(), nodeName, zone)
-	return PortEndpoints{Cluster: addrPorts(c.cluster), Local: addrPorts(c.local), Reachable: addrPorts(c.reachable), Any: c.hasAny}
+	return eps, categorize(eps, p.UsesCluster(), p.UsesLocal(), nodeName, zone)
 }
 
 // NodePortIPs lists the addresses NodePorts answer on, or nil for "every local

@@ -57,7 +57,7 @@ type Set struct {
 // Element is one element of a set or map.
 type Element struct {
 	Key     []string
-	Value   []string // nil in a set
+	Value   string // a verdict map's verdict ("goto CHAIN", "drop"); "" in a set
 	Comment string
 }
 
@@ -190,8 +190,8 @@ func (e Element) text() string {
 	if e.Comment != "" {
 		t += fmt.Sprintf(" comment %q", e.Comment)
 	}
-	if len(e.Value) > 0 {
-		t += " : " + strings.Join(e.Value, " . ")
+	if e.Value != "" {
+		t += " : " + e.Value
 	}
 	return t + " }"
 }

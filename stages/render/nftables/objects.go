@@ -3,7 +3,6 @@ package nftables
 import (
 	"fmt"
 	"slices"
-	"strings"
 
 	nf "github.com/kpipe/kpipe/netfilter"
 )
@@ -41,7 +40,7 @@ func (t *Table) AddObjects(x *nf.NFTTransaction) error {
 		}
 		elems := make([]nf.NFTElement, len(s.Elements))
 		for j, e := range s.Elements {
-			elems[j] = nf.NFTElement{Key: e.Key, Value: strings.Join(e.Value, " . "), Comment: e.Comment}
+			elems[j] = nf.NFTElement{Key: e.Key, Value: e.Value, Comment: e.Comment}
 		}
 		if err := x.AddElements(sets[i], elems); err != nil {
 			return err

@@ -2,9 +2,9 @@ package nftables
 
 import (
 	"fmt"
+	"maps"
 	"net/netip"
 	"slices"
-	"strings"
 
 	"github.com/kpipe/kpipe/bus"
 	nf "github.com/kpipe/kpipe/netfilter"
@@ -20,7 +20,7 @@ type Config struct {
 	// Service holds is dropped. None: no such rule.
 	ServiceCIDRs []netip.Prefix
 	// Mark overrides the masquerade mark as written ("0x4000"); empty: from
-	// MasqueradeBit, as kube-proxy formats it ("0x004000" for bit 14).
+	// MasqueradeBit, as kube-proxy formats it ("0x00004000" for bit 14).
 	Mark string
 }
 
@@ -36,7 +36,7 @@ func (c Config) mark() string {
 func Render(cfg Config, st bus.State) *Table {
 	w := newWriter(cfg, st)
 	w.writeFixed()
-	for _, key := range sortedServiceKeys(st.Services) {
+	for _, key := range slices.SortedFunc(maps.Keys(st.Services), bus.ServiceKey.Compare) {
 		svc := st.Services[key]
 		if _, ok := svc.ClusterIPOf(cfg.Family); !ok {
 			continue // not a service of this family
@@ -46,15 +46,6 @@ func Render(cfg Config, st bus.State) *Table {
 		}
 	}
 	return w.t
-}
-
-func sortedServiceKeys(m map[bus.ServiceKey]*bus.Service) []bus.ServiceKey {
-	keys := make([]bus.ServiceKey, 0, len(m))
-	for k := range m {
-		keys = append(keys, k)
-	}
-	slices.SortFunc(keys, func(a, b bus.ServiceKey) int { return strings.Compare(a.String(), b.String()) })
-	return keys
 }
 
 // writer builds one table.

@@ -89,18 +89,18 @@ func (w *writer) writeElements(sp *servicePort, p portPlan) {
 	tuple := func(ip netip.Addr) []string { return []string{ip.String(), sp.proto, port} }
 	label := sp.name.String()
 	noEndpoints := func(ip netip.Addr, verdict string) {
-		w.element(mapNoEndpointServices, Element{Key: tuple(ip), Value: []string{verdict}, Comment: label})
+		w.element(mapNoEndpointServices, Element{Key: tuple(ip), Value: verdict, Comment: label})
 	}
 
 	w.element(setClusterIPs, Element{Key: []string{sp.clusterIP.String()}})
 	if p.hasInternal {
-		w.element(mapServiceIPs, Element{Key: tuple(sp.clusterIP), Value: []string{"goto " + p.internalChain}})
+		w.element(mapServiceIPs, Element{Key: tuple(sp.clusterIP), Value: "goto " + p.internalChain})
 	} else {
 		noEndpoints(sp.clusterIP, p.internalVerdict)
 	}
 	for _, ip := range slices.Concat(sp.externals, sp.lbIPs) {
 		if sp.eps.Any {
-			w.element(mapServiceIPs, Element{Key: tuple(ip), Value: []string{"goto " + sp.extChain}})
+			w.element(mapServiceIPs, Element{Key: tuple(ip), Value: "goto " + sp.extChain})
 		}
 		if !p.hasExternal {
 			noEndpoints(ip, p.externalVerdict)
@@ -108,16 +108,16 @@ func (w *writer) writeElements(sp *servicePort, p portPlan) {
 	}
 	if p.usesFirewall {
 		for _, ip := range sp.lbIPs {
-			w.element(mapFirewallIPs, Element{Key: tuple(ip), Value: []string{"goto " + sp.fwChain}})
+			w.element(mapFirewallIPs, Element{Key: tuple(ip), Value: "goto " + sp.fwChain})
 		}
 	}
 	if sp.port.NodePort != 0 {
 		key := []string{sp.proto, strconv.Itoa(int(sp.port.NodePort))}
 		if sp.eps.Any {
-			w.element(mapServiceNodePorts, Element{Key: key, Value: []string{"goto " + sp.extChain}})
+			w.element(mapServiceNodePorts, Element{Key: key, Value: "goto " + sp.extChain})
 		}
 		if !p.hasExternal {
-			w.element(mapNoEndpointNodePort, Element{Key: key, Value: []string{p.externalVerdict}, Comment: label})
+			w.element(mapNoEndpointNodePort, Element{Key: key, Value: p.externalVerdict, Comment: label})
 		}
 	}
 }
