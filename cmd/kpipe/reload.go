@@ -241,21 +241,16 @@ func (r reloadReporter) rejected(err error) {
 	r.metrics.ConfigReloads.WithLabelValues(metrics.ReloadFailure).Inc()
 	r.metrics.ConfigReloadSuccessful.Set(0)
 	events.RecordReloadFailure(r.recorder, r.node, r.path, err)
-	r.record(err)
+	r.reloads.Record(time.Now(), err)
 }
 
 func (r reloadReporter) accepted(same bool) {
 	r.metrics.ConfigReloads.WithLabelValues(metrics.ReloadSuccess).Inc()
 	r.metrics.ConfigReloadSuccessful.Set(1)
-	r.record(nil)
+	r.reloads.Record(time.Now(), nil)
 	if same {
 		r.log.Info("config file changed; the effective configuration is the same", "path", r.path)
 		return
 	}
 	r.log.Info("config file changed; rebuilding the pipeline with the new configuration", "path", r.path)
-}
-
-// record keeps the reload's outcome for /status.
-func (r reloadReporter) record(err error) {
-	r.reloads.Record(time.Now(), err)
 }

@@ -1,6 +1,7 @@
 package main
 
 import (
+	"cmp"
 	"context"
 	"encoding/json"
 	"errors"
@@ -283,15 +284,8 @@ func configLine(c *internalConfig) string {
 		clusterCIDR = strings.Join(c.DetectLocal.ClusterCIDRs, ",")
 	}
 	return fmt.Sprintf("mode %s, clusterCIDR %s, detectLocalMode %s, masqueradeAll %t, nodePortAddresses %s, syncPeriod %s, minSyncPeriod %s",
-		orDefault(string(c.Mode), "iptables"), clusterCIDR, orDefault(string(c.DetectLocalMode), "ClusterCIDR"), c.Linux.MasqueradeAll,
+		cmp.Or(string(c.Mode), "iptables"), clusterCIDR, cmp.Or(string(c.DetectLocalMode), "ClusterCIDR"), c.Linux.MasqueradeAll,
 		nodePorts, c.SyncPeriod.Duration, c.MinSyncPeriod.Duration)
-}
-
-func orDefault(s, def string) string {
-	if s == "" {
-		return def
-	}
-	return s
 }
 
 func reloadLine(r *health.Reload, now time.Time) string {
